@@ -1,0 +1,183 @@
+"""`MoDConfig`: one flat, validated configuration for MoD and dense transformers, with presets.
+
+A model is a stack of blocks described by `layer_pattern`, a string of ``D`` (dense) and ``R`` (routed)
+tiled over the layers: ``"DR"`` on 8 layers is D R D R D R D R. ``"D"`` is the dense baseline, built by
+the same code. The capacity rounding used everywhere (model, FLOP counter, tests) is `capacity_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROUTING_MODES = ("joint", "staggered")
+ROUTER_GATES = ("raw", "sigmoid")
+CAUSAL_ROUTERS = ("aux_loss", "predictor")
+
+# Guards floor() against products such as 0.29 * 100 = 28.999999999999996.
+_CAPACITY_EPS = 1e-6
+
+
+def capacity_tokens(capacity: float, seq_len: int) -> int:
+    """Tokens a routed block processes per sequence of `seq_len` in top-k mode.
+
+    ``k = floor(capacity * seq_len)`` (with a 1e-6 guard against float error), at most `seq_len`.
+    When ``capacity * seq_len < 1`` this is 0: the block processes no token and every token rides the
+    residual stream unchanged. We never round up to 1, because that would make a one-token step dense.
+    """
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    return min(seq_len, math.floor(capacity * seq_len + _CAPACITY_EPS))
+
+
+@dataclass
+class MoDConfig:
+    """Hyper-parameters of a `MoDTransformer`. Validated on construction; round-trips through JSON."""
+
+    vocab_size: int = 257
+    d_model: int = 256
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    d_ff: int | None = None  # None: ff_mult * d_model rounded up to a multiple of 32
+    ff_mult: float = 8 / 3  # SwiGLU keeps parameters of a 4x GELU MLP at 8/3
+    max_seq_len: int = 256
+    layer_pattern: str = "DR"
+    capacity: float = 0.125
+    routing: str = "joint"
+    router_gate: str = "sigmoid"
+    causal_router: str = "aux_loss"
+    aux_loss_weight: float = 0.01
+    predictor_hidden: int = 64
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must divide d_model={self.d_model} "
+                f"(d_model % n_heads = {self.d_model % self.n_heads})"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"head dim d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (grouped-query "
+                "attention shares each key/value head among a whole number of query heads)"
+            )
+        if self.d_ff is None:
+            self.d_ff = 32 * math.ceil(self.ff_mult * self.d_model / 32)
+        if isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1:
+            raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
+        if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
+            raise ValueError(f"layer_pattern must be a non-empty string of 'D'/'R', got "
+                             f"{self.layer_pattern!r}")
+        bad = sorted(set(self.layer_pattern) - {"D", "R"})
+        if bad:
+            raise ValueError(
+                f"layer_pattern={self.layer_pattern!r} has unknown letters {bad}; allowed: 'D' "
+                "(dense block) and 'R' (routed block)"
+            )
+        if not (isinstance(self.capacity, int | float) and 0.0 < self.capacity <= 1.0):
+            raise ValueError(f"capacity must be in (0, 1], got {self.capacity!r}")
+        self.capacity = float(self.capacity)
+        for name, allowed in (
+            ("routing", ROUTING_MODES),
+            ("router_gate", ROUTER_GATES),
+            ("causal_router", CAUSAL_ROUTERS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.aux_loss_weight < 0:
+            raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+        if self.predictor_hidden < 1:
+            raise ValueError(f"predictor_hidden must be >= 1, got {self.predictor_hidden}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ValueError("rope_theta, norm_eps and init_std must be > 0")
+
+    # -- derived ----------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def layer_kinds(self) -> str:
+        """The pattern tiled over the layers, one letter per layer: e.g. ``"DRDRDRDR"``."""
+        p = self.layer_pattern
+        return (p * math.ceil(self.n_layers / len(p)))[: self.n_layers]
+
+    @property
+    def routed_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_kinds) if kind == "R"]
+
+    @property
+    def is_dense(self) -> bool:
+        return not self.routed_layers
+
+    def capacity_tokens(self, seq_len: int) -> int:
+        return capacity_tokens(self.capacity, seq_len)
+
+    def dense_twin(self) -> MoDConfig:
+        """The same model with every block dense: the baseline of the same size."""
+        return dataclasses.replace(self, layer_pattern="D")
+
+    # -- serialisation ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MoDConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown MoDConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            from .checkpoint import atomic_write_text
+
+            atomic_write_text(Path(path), text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> MoDConfig:
+        p = Path(text_or_path)
+        text = p.read_text() if not str(text_or_path).lstrip().startswith("{") else str(text_or_path)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> MoDConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+_TINY = dict(d_model=64, n_layers=4, n_heads=4, max_seq_len=128, predictor_hidden=32)
+_SMALL = dict(d_model=256, n_layers=8, n_heads=8, max_seq_len=256)
+_BASE = dict(d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=512)
+
+# Routed presets follow the paper's best: every other block routed at 12.5% capacity.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {**_TINY, "layer_pattern": "DR"},
+    "tiny-dense": {**_TINY, "layer_pattern": "D"},
+    "small": {**_SMALL, "layer_pattern": "DR"},
+    "small-dense": {**_SMALL, "layer_pattern": "D"},
+    "base": {**_BASE, "layer_pattern": "DR"},
+    "base-dense": {**_BASE, "layer_pattern": "D"},
+}

@@ -1,0 +1,344 @@
+"""The Mixture-of-Depths transformer: RMSNorm, RoPE, attention, SwiGLU MLP, routers, blocks, model.
+
+Semantics (see DESIGN.md section 1). In a routed block the router reads the residual stream,
+``r = x @ w``; in top-k mode the ``k = capacity_tokens(capacity, T)`` highest-scoring tokens of each
+row, sorted by position, are gathered, run through the block (attending only among themselves, at
+their original rotary positions), and scattered back as ``x + g(r) * f`` where ``f`` is the block's
+update; every other token leaves bit for bit unchanged. In causal mode each token decides for itself
+(``sigmoid(logit) > 0.5``, i.e. ``logit > 0``, from the router or the predictor), so the decision for a
+token never depends on later tokens.
+
+Names with shape suffixes: B batch, T full sequence, K routed subset, D model width, H heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import MoDConfig
+
+ROUTING_CHOICES = ("topk", "causal")
+
+
+@dataclass
+class Route:
+    """What one router did on one forward pass (returned, never stored on the module).
+
+    `mask` (B, T) bool: the tokens this router sent through its sub-block. `logits` (B, T): raw router
+    weights r. `target` (B, T) bool: top-k membership, the aux-loss target (equal to `mask` in top-k
+    mode). `predictor_logits` (B, T): the causal predictor's logits, predictor mode only.
+    """
+
+    layer: int
+    kind: str  # "block" (joint routing), "attn" or "mlp" (staggered routing)
+    mask: Tensor
+    logits: Tensor
+    target: Tensor
+    predictor_logits: Tensor | None = None
+
+    @property
+    def decision_logits(self) -> Tensor:
+        """Logits of the causal decision: the predictor's in predictor mode, else the router's."""
+        return self.logits if self.predictor_logits is None else self.predictor_logits
+
+
+@dataclass
+class MoDOutput:
+    logits: Tensor
+    loss: Tensor | None = None
+    lm_loss: Tensor | None = None
+    aux_loss: Tensor | None = None
+    routes: list[Route] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_BHKd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate halves of the head dim; cos/sin broadcast to (B or 1, 1, K, d/2)."""
+    x1, x2 = x_BHKd.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x_BHKd)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoDConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def qkv(self, x_BKD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys (both rotated) and values, shaped (B, heads, K, head_dim)."""
+        B, K, _ = x_BKD.shape
+        q = self.wq(x_BKD).view(B, K, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x_BKD).view(B, K, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x_BKD).view(B, K, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """SDPA then the output projection. `attn_mask` None means causal over the K tokens."""
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        B, _, K, _ = q.shape
+        return self.wo(y.transpose(1, 2).reshape(B, K, self.n_heads * self.head_dim))
+
+    def forward(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None) -> Tensor:
+        return self.attend(*self.qkv(x_BKD, cos, sin), attn_mask)
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: MoDConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Predictor(nn.Module):
+    """Small MLP that predicts top-k membership causally from the router's (detached) input."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.silu(self.fc1(x))).squeeze(-1)
+
+
+def topk_indices(r_BT: Tensor, k: int) -> Tensor:
+    """Indices (B, k) of the k largest router weights per row, sorted ascending by position.
+
+    A stable descending sort breaks ties by position (earlier wins), so exactly k tokens are chosen
+    and the choice is deterministic; sorting the chosen indices keeps the subsequence causal.
+    """
+    order = torch.sort(r_BT, dim=-1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=-1).values
+
+
+def positions_mask(idx_BK: Tensor, seq_len: int) -> Tensor:
+    return torch.zeros(idx_BK.shape[0], seq_len, dtype=torch.bool, device=idx_BK.device).scatter(
+        1, idx_BK, True
+    )
+
+
+def causal_attention_mask(take_BT: Tensor) -> Tensor:
+    """(B, 1, T, T) mask: query i sees key j iff j <= i and j took the block.
+
+    The diagonal is always open so rows of tokens that skip (whose outputs are discarded) are never
+    fully masked: a fully masked softmax row would give NaN and poison the backward pass.
+    """
+    T = take_BT.shape[1]
+    eye = torch.eye(T, dtype=torch.bool, device=take_BT.device)
+    lower = torch.ones(T, T, dtype=torch.bool, device=take_BT.device).tril()
+    return ((lower & take_BT[:, None, :]) | eye).unsqueeze(1)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block, dense or routed (joint or staggered)."""
+
+    def __init__(self, cfg: MoDConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.routed = cfg.layer_kinds[layer] == "R"
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        if self.routed:
+            self.route_kinds = ("block",) if cfg.routing == "joint" else ("attn", "mlp")
+            self.router = nn.ModuleDict(
+                {kind: nn.Linear(cfg.d_model, 1, bias=False) for kind in self.route_kinds}
+            )
+            if cfg.causal_router == "predictor":
+                self.predictor = nn.ModuleDict(
+                    {kind: Predictor(cfg.d_model, cfg.predictor_hidden) for kind in self.route_kinds}
+                )
+
+    # Updates f(x~) of the sub-blocks; the outer residual is added by the caller.
+    def attn_update(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        return self.attn(self.attn_norm(x_BKD), cos, sin, mask)
+
+    def mlp_update(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        return self.mlp(self.mlp_norm(x_BKD))
+
+    def block_update(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        a_BKD = self.attn_update(x_BKD, cos, sin, mask)
+        return a_BKD + self.mlp_update(x_BKD + a_BKD, cos, sin, mask)
+
+    def gate(self, r: Tensor) -> Tensor:
+        return torch.sigmoid(r) if self.cfg.router_gate == "sigmoid" else r
+
+    def forward(
+        self, x_BTD: Tensor, cos_T: Tensor, sin_T: Tensor, routing: str
+    ) -> tuple[Tensor, list[Route]]:
+        if not self.routed:
+            return x_BTD + self.block_update(x_BTD, cos_T, sin_T, None), []
+        if self.cfg.routing == "joint":
+            x_BTD, route = self.route(x_BTD, "block", self.block_update, cos_T, sin_T, routing)
+            return x_BTD, [route]
+        x_BTD, attn_route = self.route(x_BTD, "attn", self.attn_update, cos_T, sin_T, routing)
+        x_BTD, mlp_route = self.route(x_BTD, "mlp", self.mlp_update, cos_T, sin_T, routing)
+        return x_BTD, [attn_route, mlp_route]
+
+    def route(self, x_BTD, kind, update, cos_T, sin_T, routing) -> tuple[Tensor, Route]:  # noqa: ANN001
+        B, T, D = x_BTD.shape
+        r_BT = self.router[kind](x_BTD).squeeze(-1)
+        k = self.cfg.capacity_tokens(T)
+        idx_BK = topk_indices(r_BT, k)
+        topk_BT = positions_mask(idx_BK, T)
+        pred_BT = None
+        if self.cfg.causal_router == "predictor":
+            # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
+            pred_BT = self.predictor[kind](x_BTD.detach())
+        if routing == "topk":
+            mask_BT = topk_BT
+            if k > 0:
+                gidx_BKD = idx_BK.unsqueeze(-1).expand(B, k, D)
+                x_BKD = x_BTD.gather(1, gidx_BKD)
+                # Original positions: rotary tables indexed by the chosen tokens' positions.
+                cos_BK, sin_BK = cos_T[idx_BK].unsqueeze(1), sin_T[idx_BK].unsqueeze(1)
+                # idx sorted ascending, so a plain causal mask over K is causal in the sequence.
+                f_BKD = update(x_BKD, cos_BK, sin_BK, None)
+                g_BK1 = self.gate(r_BT.gather(1, idx_BK)).unsqueeze(-1)
+                x_BTD = x_BTD.scatter(1, gidx_BKD, x_BKD + g_BK1 * f_BKD)
+        else:
+            mask_BT = (r_BT if pred_BT is None else pred_BT) > 0
+            f_BTD = update(x_BTD, cos_T, sin_T, causal_attention_mask(mask_BT))
+            x_BTD = torch.where(
+                mask_BT.unsqueeze(-1), x_BTD + self.gate(r_BT).unsqueeze(-1) * f_BTD, x_BTD
+            )
+        return x_BTD, Route(self.layer, kind, mask_BT, r_BT, topk_BT, pred_BT)
+
+
+class MoDTransformer(nn.Module):
+    """Decoder-only MoD transformer (dense when `layer_pattern` has no 'R')."""
+
+    def __init__(self, config: MoDConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        resid_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        for block in self.blocks:
+            nn.init.normal_(block.attn.wo.weight, std=resid_std)
+            nn.init.normal_(block.mlp.w2.weight, std=resid_std)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def check_input(self, idx: Tensor) -> None:
+        """Shape, dtype, length and token-range checks with clear messages."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, seq_len), got {tuple(idx.shape)}")
+        if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
+            raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+        T, V = idx.shape[1], self.config.vocab_size
+        if T < 1 or T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} is outside [1, max_seq_len={self.config.max_seq_len}]")
+        if idx.device.type == "cpu":
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= V:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} out of range: ids must be in [0, vocab_size={V})")
+        else:  # no host sync on accelerators: an async device assert instead
+            torch._assert_async(((idx >= 0) & (idx < V)).all(), f"token ids must be in [0, {V})")
+
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, routing: str = "topk"
+    ) -> MoDOutput:
+        """Logits for `idx` (B, T); losses when `targets` (B, T, ignore index -100) is given.
+
+        routing="topk": the paper's expert-choice top-k per sequence (training; exactly k per row).
+        routing="causal": each token decides for itself; no decision reads a later token.
+        """
+        if routing not in ROUTING_CHOICES:
+            raise ValueError(f"routing must be one of {ROUTING_CHOICES}, got {routing!r}")
+        self.check_input(idx)
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(
+                f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
+            )
+        T = idx.shape[1]
+        cos_T, sin_T = self.rope_cos[:T], self.rope_sin[:T]
+        x_BTD = self.embed(idx)
+        routes: list[Route] = []
+        for block in self.blocks:
+            x_BTD, block_routes = block(x_BTD, cos_T, sin_T, routing)
+            routes.extend(block_routes)
+        logits = self.lm_head(self.norm(x_BTD))
+        aux_loss = router_aux_loss(routes, logits)
+        out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
+        if targets is not None:
+            out.lm_loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100
+            )
+            out.loss = out.lm_loss + self.config.aux_loss_weight * aux_loss
+        return out
+
+
+def router_aux_loss(routes: list[Route], like: Tensor) -> Tensor:
+    """Mean over routers of the BCE between causal-decision logits and per-row top-k membership."""
+    if not routes:
+        return like.new_zeros((), dtype=torch.float32)
+    losses = [
+        F.binary_cross_entropy_with_logits(r.decision_logits.float(), r.target.float())
+        for r in routes
+    ]
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def routing_accuracy(routes: list[Route]) -> dict[str, float]:
+    """Share of tokens whose causal decision (logit > 0) agrees with top-k membership, per router.
+
+    Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered routing.
+    """
+    acc = {}
+    for r in routes:
+        key = str(r.layer) if r.kind == "block" else f"{r.layer}.{r.kind}"
+        acc[key] = ((r.decision_logits > 0) == r.target).float().mean().item()
+    return acc
