@@ -28,6 +28,13 @@ from torch import nn
 from .config import MoDConfig
 
 
+def _umask_mode(default: int = 0o666) -> int:
+    """The mode a plain open() would give: mkstemp/mkdtemp create 0600/0700 files."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return default & ~mask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,6 +44,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -50,6 +58,7 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -111,6 +120,7 @@ def save_checkpoint(
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
     try:
+        os.chmod(tmp, _umask_mode(0o777))
         write_json(tmp / "config.json", config.to_dict())
         atomic_save_tensors(tmp / "model.safetensors", model_tensors(model), {"format": "pt"})
         if optimizer is not None:

@@ -169,7 +169,7 @@ class MoDConfig:
 
 
 _TINY = dict(d_model=64, n_layers=4, n_heads=4, max_seq_len=128, predictor_hidden=32)
-_SMALL = dict(d_model=256, n_layers=8, n_heads=8, max_seq_len=256)
+_SMALL = dict(d_model=192, n_layers=8, n_heads=6, max_seq_len=256)
 _BASE = dict(d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=512)
 
 # Routed presets follow the paper's best: every other block routed at 12.5% capacity.

@@ -1,0 +1,374 @@
+"""Training loop, evaluation in both routing modes, checkpoints and exact resume.
+
+`train(model_config, train_config)` trains a `MoDTransformer` on a token stream with AdamW, linear
+warm-up then cosine decay, and gradient clipping before the optimizer step. Every `eval_every` steps
+it measures validation loss in top-k and causal routing and the routing accuracy of each router
+(causal decision vs top-k membership), logs a JSON line to ``<out>/metrics.jsonl`` and writes an atomic
+checkpoint to ``<out>/checkpoint``. `resume=True` continues from that checkpoint and reproduces the
+losses of an uninterrupted run: weights, AdamW moments and the data position are all restored, and
+batches are a pure function of (seed, step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import (
+    atomic_write_text,
+    load_model,
+    load_optimizer_state,
+    read_json,
+    resolve_checkpoint,
+    save_checkpoint,
+    write_json,
+)
+from .config import MoDConfig
+from .data import BatchSampler, Tokenizer, eval_batches, load_splits, load_tokenizer
+from .model import MoDTransformer, routing_accuracy
+
+CHECKPOINT_NAME = "checkpoint"
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a training run that is not the model."""
+
+    out: str = "runs/mod"
+    data: str | None = None  # None: the Python standard library's source (embedded, no download)
+    tokenizer: str = "byte"  # "byte" or "bpe" (trained on the training split, saved with the model)
+    bpe_vocab_size: int = 4096
+    batch_size: int = 16
+    seq_len: int | None = None  # None: the model's max_seq_len
+    steps: int = 1000
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 250
+    eval_batches: int = 8
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "steps", "eval_every", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    span = max(1, tc.steps - tc.warmup_steps)
+    progress = min(1.0, (step - tc.warmup_steps) / span)
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_for(device: torch.device) -> torch.autocast:
+    # bf16 on accelerators; the CPU trains in float32 (its bf16 matmuls are slower here).
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms, biases, or router vectors)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_router = ".router." in name
+        (decay if p.dim() >= 2 and not is_router else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": tc.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2))
+
+
+@torch.no_grad()
+def evaluate(
+    model: MoDTransformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> dict[str, Any]:
+    """Validation loss in top-k and causal routing, routing accuracy and causal take-rate per router.
+
+    Routing accuracy compares each token's causal decision with its top-k membership on the top-k
+    forward. The take-rate is the share of tokens that chose a router in the causal forward; it
+    should sit near the configured capacity when the causal router has learned top-k.
+    """
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {"topk": 0.0, "causal": 0.0}
+    acc: dict[str, float] = {}
+    take: dict[str, float] = {}
+    dense = model.config.is_dense
+    try:
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            with autocast_for(device):
+                out = model(x, y, routing="topk")
+            sums["topk"] += out.lm_loss.item()
+            for key, a in routing_accuracy(out.routes).items():
+                acc[key] = acc.get(key, 0.0) + a
+            if dense:  # both modes are the same computation for a dense model
+                sums["causal"] += out.lm_loss.item()
+                continue
+            with autocast_for(device):
+                out = model(x, y, routing="causal")
+            sums["causal"] += out.lm_loss.item()
+            for r in out.routes:
+                key = str(r.layer) if r.kind == "block" else f"{r.layer}.{r.kind}"
+                take[key] = take.get(key, 0.0) + r.mask.float().mean().item()
+    finally:
+        model.train(was_training)
+    n = max(1, len(batches))
+    return {
+        "val_loss_topk": sums["topk"] / n,
+        "val_loss_causal": sums["causal"] / n,
+        "routing_accuracy": {k: v / n for k, v in acc.items()},
+        "causal_take_rate": {k: v / n for k, v in take.items()},
+    }
+
+
+class MetricsLog:
+    """Append-only JSONL log; on resume it drops records written after the checkpoint's step."""
+
+    def __init__(self, path: Path, keep_until_step: int | None) -> None:
+        self.path = path
+        if keep_until_step is None:
+            atomic_write_text(path, "")
+        elif path.exists():
+            kept = [
+                line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= keep_until_step
+            ]
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _prepare_data(
+    tc: TrainConfig, tokenizer: Tokenizer | None
+) -> tuple[torch.Tensor, torch.Tensor, Tokenizer]:
+    if tokenizer is None and tc.tokenizer == "bpe":
+        from .data import corpus_files, make_tokenizer, split_files
+
+        train_files, _ = split_files(corpus_files(tc.data))
+        tokenizer = make_tokenizer("bpe", train_files, vocab_size=tc.bpe_vocab_size)
+    return load_splits(tc.data, tokenizer)
+
+
+def train(
+    model_config: MoDConfig | None,
+    tc: TrainConfig,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train (or resume) and return a summary. With `resume`, `model_config` may be None."""
+    out_dir = Path(tc.out)
+    ckpt_dir = out_dir / CHECKPOINT_NAME
+    device = resolve_device(tc.device)
+    start_step, tokenizer, trainer_state = 0, None, None
+    if resume:
+        ckpt = resolve_checkpoint(ckpt_dir)
+        trainer_state = read_json(ckpt / "trainer.json")
+        model, model_config = load_model(ckpt, map_location=device)
+        tokenizer = load_tokenizer(ckpt)
+        start_step = int(trainer_state["step"])
+    torch.manual_seed(tc.seed)
+    train_tokens, val_tokens, tokenizer = _prepare_data(tc, tokenizer)
+    assert model_config is not None
+    if model_config.vocab_size != tokenizer.vocab_size:
+        if resume:
+            raise ValueError(
+                f"checkpoint vocab_size {model_config.vocab_size} != tokenizer's {tokenizer.vocab_size}"
+            )
+        model_config = dataclasses.replace(model_config, vocab_size=tokenizer.vocab_size)
+    seq_len = tc.seq_len or model_config.max_seq_len
+    if seq_len > model_config.max_seq_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
+    if not resume:
+        model = MoDTransformer(model_config).to(device)
+    model.train()
+    opt = make_optimizer(model, tc)
+    sampler = BatchSampler(train_tokens, tc.batch_size, seq_len, seed=tc.seed)
+    if resume:
+        opt_state = load_optimizer_state(resolve_checkpoint(ckpt_dir))
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)
+        sampler.load_state_dict(trainer_state["sampler"])
+    val = eval_batches(val_tokens, tc.batch_size, seq_len, tc.eval_batches)
+    step_fn = torch.compile(model) if tc.compile else model
+    log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
+    if not resume:
+        write_json(out_dir / "run.json", {"model": model_config.to_dict(), "train": dataclasses.asdict(tc)})
+    tokens_per_step = tc.batch_size * seq_len
+    elapsed = float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0
+    last_eval: dict[str, Any] = {}
+    bar = tqdm(
+        total=tc.steps, initial=start_step, disable=not progress, desc="train",
+        unit="step", dynamic_ncols=True,
+    )
+    window_t, window_tokens = time.perf_counter(), 0
+    for step in range(start_step, tc.steps):
+        lr = lr_at(step, tc)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = sampler.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast_for(device):
+            out = step_fn(x, y)
+        out.loss.backward()
+        # Clip before the step: clipping after it would be a no-op on this update.
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        )
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        window_tokens += tokens_per_step
+        done = step + 1
+        if done % tc.log_every == 0 or done == tc.steps:
+            now = time.perf_counter()
+            tok_s = window_tokens / max(now - window_t, 1e-9)
+            elapsed += now - window_t
+            window_t, window_tokens = now, 0
+            rec = {
+                "step": done, "loss": out.loss.item(), "lm_loss": out.lm_loss.item(),
+                "aux_loss": out.aux_loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+                "tokens_per_s": tok_s, "tokens": done * tokens_per_step,
+            }
+            log.write(rec)
+            bar.set_postfix(loss=f"{rec['lm_loss']:.3f}", aux=f"{rec['aux_loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+        bar.update(1)
+        if done % tc.eval_every == 0 or done == tc.steps:
+            t0 = time.perf_counter()
+            last_eval = evaluate(model, val, device)
+            log.write({"step": done, **last_eval})
+            bar.write(format_eval(done, last_eval))
+            save_checkpoint(
+                ckpt_dir, model, model_config, optimizer=opt, tokenizer=tokenizer,
+                trainer_state={
+                    "step": done, "sampler": sampler.state_dict(), "elapsed_s": elapsed,
+                    "train_config": dataclasses.asdict(tc),
+                },
+            )
+            window_t += time.perf_counter() - t0  # keep eval and save time out of tokens/s
+    bar.close()
+    if not last_eval:  # resumed at the final step: nothing left to train
+        last_eval = evaluate(model, val, device)
+    summary = {
+        "out": str(out_dir), "checkpoint": str(ckpt_dir), "steps": tc.steps,
+        "tokens": tc.steps * tokens_per_step, "train_time_s": elapsed,
+        "params": model.num_params(), "layer_kinds": model_config.layer_kinds,
+        "capacity": model_config.capacity, **last_eval,
+    }
+    write_json(out_dir / "summary.json", summary)
+    try:
+        plot_metrics(out_dir / "metrics.jsonl", out_dir / "loss.png")
+        summary["plot"] = str(out_dir / "loss.png")
+    except Exception as exc:  # a plot is a convenience: never lose a finished run over it
+        summary["plot_error"] = repr(exc)
+    return summary
+
+
+def format_eval(step: int, ev: dict[str, Any]) -> str:
+    parts = [f"step {step}: val loss top-k {ev['val_loss_topk']:.4f}, causal {ev['val_loss_causal']:.4f}"]
+    if ev["routing_accuracy"]:
+        acc = ", ".join(f"L{k} {v:.1%}" for k, v in ev["routing_accuracy"].items())
+        parts.append(f"routing accuracy {acc}")
+    if ev["causal_take_rate"]:
+        take = ", ".join(f"L{k} {v:.1%}" for k, v in ev["causal_take_rate"].items())
+        parts.append(f"causal take-rate {take}")
+    return " | ".join(parts)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"trained {s['steps']} steps, {s['tokens']:,} tokens in {s['train_time_s']:.0f} s "
+        f"({s['params'] / 1e6:.2f}M parameters, layers {s['layer_kinds']}, capacity {s['capacity']})",
+        f"validation loss (nats/token): top-k {s['val_loss_topk']:.4f}   causal {s['val_loss_causal']:.4f}",
+    ]
+    for k, v in s["routing_accuracy"].items():
+        take = s["causal_take_rate"].get(k)
+        extra = f", causal take-rate {take:.1%}" if take is not None else ""
+        lines.append(f"routing accuracy layer {k}: {v:.2%}{extra}")
+    lines.append(f"checkpoint: {s['checkpoint']}")
+    if "plot" in s:
+        lines.append(f"loss curve: {s['plot']}")
+    return "\n".join(lines)
+
+
+def plot_metrics(metrics_path: Path, png_path: Path) -> None:
+    """Training and validation loss curves to a PNG (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if "lm_loss" in r]
+    eval_rows = [r for r in rows if "val_loss_topk" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot([r["step"] for r in train_rows], [r["lm_loss"] for r in train_rows], lw=1,
+            label="train LM loss (top-k)")
+    for key, style in (("val_loss_topk", "o-"), ("val_loss_causal", "s--")):
+        ax.plot([r["step"] for r in eval_rows], [r[key] for r in eval_rows], style,
+                label=key.replace("_", " "))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(png_path)
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path, data: str | None = None, n_batches: int = 16, batch_size: int = 8,
+    device: str = "auto",
+) -> dict[str, Any]:
+    """`mod eval`: validation loss in both modes and routing accuracy of a saved model."""
+    dev = resolve_device(device)
+    ckpt = resolve_checkpoint(checkpoint)
+    model, cfg = load_model(ckpt, map_location=dev)
+    tokenizer = load_tokenizer(ckpt)
+    if data is None and (ckpt / "trainer.json").exists():
+        data = read_json(ckpt / "trainer.json")["train_config"].get("data")
+    _, val_tokens, _ = load_splits(data, tokenizer)
+    batches = eval_batches(val_tokens, batch_size, cfg.max_seq_len, n_batches)
+    return {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
