@@ -1,4 +1,4 @@
-"""Mixture-of-Depths transformers: correct top-k and causal routing, training, and the `mod` command."""
+"""Mixture-of-Depths transformers: top-k and causal routing, training, and the `mod` command."""
 
 from .config import PRESETS, MoDConfig, capacity_tokens
 from .model import MoDOutput, MoDTransformer, Route, routing_accuracy

@@ -51,7 +51,9 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+def atomic_save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None
+) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -155,7 +157,9 @@ def resolve_checkpoint(directory: str | Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {d} (expected {d / 'config.json'})")
 
 
-def load_model(directory: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, MoDConfig]:
+def load_model(
+    directory: str | Path, map_location: str | torch.device = "cpu"
+) -> tuple[nn.Module, MoDConfig]:
     """Rebuild a `MoDTransformer` from a checkpoint directory."""
     from .model import MoDTransformer
 
@@ -178,4 +182,6 @@ def load_optimizer_state(directory: str | Path) -> dict | None:
     d = resolve_checkpoint(directory)
     if not (d / "optimizer.safetensors").exists():
         return None
-    return optimizer_from_files(load_file(d / "optimizer.safetensors"), read_json(d / "optimizer.json"))
+    return optimizer_from_files(
+        load_file(d / "optimizer.safetensors"), read_json(d / "optimizer.json")
+    )

@@ -33,11 +33,20 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[s
         typ = _field_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
         if typ is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"(default: {default})")
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"(default: {default})",
+            )
         else:
-            parser.add_argument(flag, type=typ, default=None, metavar=typ.__name__.upper(),
-                                help=f"(default: {default})")
+            parser.add_argument(
+                flag,
+                type=typ,
+                default=None,
+                metavar=typ.__name__.upper(),
+                help=f"(default: {default})",
+            )
 
 
 def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -54,14 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
-        "train", help="train a model (default: a small MoD model on the Python standard library)",
+        "train",
+        help="train a model (default: a small MoD model on the Python standard library)",
         description="Train a MoD (or dense) language model. Model flags override the preset; "
         "with --resume the model comes from the checkpoint in --out.",
     )
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help=f"model preset (default: {DEFAULT_PRESET})")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its last checkpoint, exactly")
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help=f"model preset (default: {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint, exactly",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     model_group = p.add_argument_group("model (MoDConfig fields)")
@@ -93,8 +110,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         out = train_over.get("out", TrainConfig.out)
         ckpt = resolve_checkpoint(Path(out) / "checkpoint")
         if model_over or args.preset:
-            print("note: --resume takes the model from the checkpoint; model flags are ignored",
-                  file=sys.stderr)
+            print(
+                "note: --resume takes the model from the checkpoint; model flags are ignored",
+                file=sys.stderr,
+            )
         saved = read_json(ckpt / "trainer.json")["train_config"]
         tc = TrainConfig(**{**saved, **train_over})
         summary = train(None, tc, resume=True, progress=not args.no_progress)
@@ -109,14 +128,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from .train import evaluate_checkpoint
 
-    res = evaluate_checkpoint(args.checkpoint, data=args.data, n_batches=args.batches,
-                              batch_size=args.batch_size, device=args.device)
+    res = evaluate_checkpoint(
+        args.checkpoint,
+        data=args.data,
+        n_batches=args.batches,
+        batch_size=args.batch_size,
+        device=args.device,
+    )
     if args.json:
         print(json.dumps(res))
         return 0
     print(f"checkpoint: {res['checkpoint']}")
-    print(f"validation loss (nats/token): top-k {res['val_loss_topk']:.4f}   "
-          f"causal {res['val_loss_causal']:.4f}")
+    print(
+        f"validation loss (nats/token): top-k {res['val_loss_topk']:.4f}   "
+        f"causal {res['val_loss_causal']:.4f}"
+    )
     for k, v in res["routing_accuracy"].items():
         take = res["causal_take_rate"].get(k)
         extra = f", causal take-rate {take:.1%}" if take is not None else ""
@@ -140,9 +166,11 @@ def cmd_presets(args: argparse.Namespace) -> int:
     else:
         for name, row in rows.items():
             cfg = MoDConfig.preset(name)
-            print(f"{name:12s} {row['params'] / 1e6:6.2f}M params  d_model={cfg.d_model} "
-                  f"n_layers={cfg.n_layers} n_heads={cfg.n_heads}/{cfg.n_kv_heads} "
-                  f"max_seq_len={cfg.max_seq_len} layers={cfg.layer_kinds} capacity={cfg.capacity}")
+            print(
+                f"{name:12s} {row['params'] / 1e6:6.2f}M params  d_model={cfg.d_model} "
+                f"n_layers={cfg.n_layers} n_heads={cfg.n_heads}/{cfg.n_kv_heads} "
+                f"max_seq_len={cfg.max_seq_len} layers={cfg.layer_kinds} capacity={cfg.capacity}"
+            )
     return 0
 
 

@@ -1,8 +1,9 @@
 """`MoDConfig`: one flat, validated configuration for MoD and dense transformers, with presets.
 
-A model is a stack of blocks described by `layer_pattern`, a string of ``D`` (dense) and ``R`` (routed)
-tiled over the layers: ``"DR"`` on 8 layers is D R D R D R D R. ``"D"`` is the dense baseline, built by
-the same code. The capacity rounding used everywhere (model, FLOP counter, tests) is `capacity_tokens`.
+A model is a stack of blocks described by `layer_pattern`, a string of ``D`` (dense) and ``R``
+(routed) tiled over the layers: ``"DR"`` on 8 layers is D R D R D R D R. ``"D"`` is the dense
+baseline, built by the same code. The capacity rounding used everywhere (model, FLOP counter,
+tests) is `capacity_tokens`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def capacity_tokens(capacity: float, seq_len: int) -> int:
     """Tokens a routed block processes per sequence of `seq_len` in top-k mode.
 
     ``k = floor(capacity * seq_len)`` (with a 1e-6 guard against float error), at most `seq_len`.
-    When ``capacity * seq_len < 1`` this is 0: the block processes no token and every token rides the
-    residual stream unchanged. We never round up to 1, because that would make a one-token step dense.
+    When ``capacity * seq_len < 1`` this is 0: the block processes no token and every token rides
+    the residual stream unchanged. We never round up to 1: that would make a one-token step dense.
     """
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
@@ -36,7 +37,7 @@ def capacity_tokens(capacity: float, seq_len: int) -> int:
 
 @dataclass
 class MoDConfig:
-    """Hyper-parameters of a `MoDTransformer`. Validated on construction; round-trips through JSON."""
+    """Hyper-parameters of a `MoDTransformer`; validated on construction, round-trips via JSON."""
 
     vocab_size: int = 257
     d_model: int = 256
@@ -84,8 +85,9 @@ class MoDConfig:
         if isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1:
             raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
         if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
-            raise ValueError(f"layer_pattern must be a non-empty string of 'D'/'R', got "
-                             f"{self.layer_pattern!r}")
+            raise ValueError(
+                f"layer_pattern must be a non-empty string of 'D'/'R', got {self.layer_pattern!r}"
+            )
         bad = sorted(set(self.layer_pattern) - {"D", "R"})
         if bad:
             raise ValueError(
@@ -158,7 +160,9 @@ class MoDConfig:
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> MoDConfig:
         p = Path(text_or_path)
-        text = p.read_text() if not str(text_or_path).lstrip().startswith("{") else str(text_or_path)
+        text = (
+            p.read_text() if not str(text_or_path).lstrip().startswith("{") else str(text_or_path)
+        )
         return cls.from_dict(json.loads(text))
 
     @classmethod

@@ -4,9 +4,9 @@ Semantics (see DESIGN.md section 1). In a routed block the router reads the resi
 ``r = x @ w``; in top-k mode the ``k = capacity_tokens(capacity, T)`` highest-scoring tokens of each
 row, sorted by position, are gathered, run through the block (attending only among themselves, at
 their original rotary positions), and scattered back as ``x + g(r) * f`` where ``f`` is the block's
-update; every other token leaves bit for bit unchanged. In causal mode each token decides for itself
-(``sigmoid(logit) > 0.5``, i.e. ``logit > 0``, from the router or the predictor), so the decision for a
-token never depends on later tokens.
+update; every other token leaves bit for bit unchanged. In causal mode each token decides for
+itself (``sigmoid(logit) > 0.5``, i.e. ``logit > 0``, from the router or the predictor), so the
+decision for a token never depends on later tokens.
 
 Names with shape suffixes: B batch, T full sequence, K routed subset, D model width, H heads.
 """
@@ -28,9 +28,9 @@ ROUTING_CHOICES = ("topk", "causal")
 class Route:
     """What one router did on one forward pass (returned, never stored on the module).
 
-    `mask` (B, T) bool: the tokens this router sent through its sub-block. `logits` (B, T): raw router
-    weights r. `target` (B, T) bool: top-k membership, the aux-loss target (equal to `mask` in top-k
-    mode). `predictor_logits` (B, T): the causal predictor's logits, predictor mode only.
+    `mask` (B, T) bool: the tokens this router sent through its sub-block. `logits` (B, T): raw
+    router weights r. `target` (B, T) bool: top-k membership, the aux-loss target (equal to `mask`
+    in top-k mode). `predictor_logits` (B, T): the causal predictor's logits, predictor mode only.
     """
 
     layer: int
@@ -98,7 +98,11 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
         """SDPA then the output projection. `attn_mask` None means causal over the K tokens."""
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
         B, _, K, _ = q.shape
@@ -179,7 +183,10 @@ class Block(nn.Module):
             )
             if cfg.causal_router == "predictor":
                 self.predictor = nn.ModuleDict(
-                    {kind: Predictor(cfg.d_model, cfg.predictor_hidden) for kind in self.route_kinds}
+                    {
+                        kind: Predictor(cfg.d_model, cfg.predictor_hidden)
+                        for kind in self.route_kinds
+                    }
                 )
 
     # Updates f(x~) of the sub-blocks; the outer residual is added by the caller.
@@ -278,7 +285,9 @@ class MoDTransformer(nn.Module):
             raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
         T, V = idx.shape[1], self.config.vocab_size
         if T < 1 or T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} is outside [1, max_seq_len={self.config.max_seq_len}]")
+            raise ValueError(
+                f"sequence length {T} is outside [1, max_seq_len={self.config.max_seq_len}]"
+            )
         if idx.device.type == "cpu":
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= V:

@@ -3,10 +3,10 @@
 `train(model_config, train_config)` trains a `MoDTransformer` on a token stream with AdamW, linear
 warm-up then cosine decay, and gradient clipping before the optimizer step. Every `eval_every` steps
 it measures validation loss in top-k and causal routing and the routing accuracy of each router
-(causal decision vs top-k membership), logs a JSON line to ``<out>/metrics.jsonl`` and writes an atomic
-checkpoint to ``<out>/checkpoint``. `resume=True` continues from that checkpoint and reproduces the
-losses of an uninterrupted run: weights, AdamW moments and the data position are all restored, and
-batches are a pure function of (seed, step).
+(causal decision vs top-k membership), logs a JSON line to ``<out>/metrics.jsonl`` and writes an
+atomic checkpoint to ``<out>/checkpoint``. `resume=True` continues from that checkpoint and
+reproduces the losses of an uninterrupted run: weights, AdamW moments and the data position are all
+restored, and batches are a pure function of (seed, step).
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def lr_at(step: int, tc: TrainConfig) -> float:
         return tc.lr * (step + 1) / tc.warmup_steps
     span = max(1, tc.steps - tc.warmup_steps)
     progress = min(1.0, (step - tc.warmup_steps) / span)
-    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return tc.lr * (
+        tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -120,7 +122,7 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
 def evaluate(
     model: MoDTransformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
 ) -> dict[str, Any]:
-    """Validation loss in top-k and causal routing, routing accuracy and causal take-rate per router.
+    """Validation loss in top-k and causal routing; routing accuracy and take-rate per router.
 
     Routing accuracy compares each token's causal decision with its top-k membership on the top-k
     forward. The take-rate is the share of tokens that chose a router in the causal forward; it
@@ -169,7 +171,8 @@ class MetricsLog:
             atomic_write_text(path, "")
         elif path.exists():
             kept = [
-                line for line in path.read_text().splitlines()
+                line
+                for line in path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= keep_until_step
             ]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
@@ -214,12 +217,15 @@ def train(
     if model_config.vocab_size != tokenizer.vocab_size:
         if resume:
             raise ValueError(
-                f"checkpoint vocab_size {model_config.vocab_size} != tokenizer's {tokenizer.vocab_size}"
+                f"checkpoint vocab_size {model_config.vocab_size} does not match its "
+                f"tokenizer's {tokenizer.vocab_size}"
             )
         model_config = dataclasses.replace(model_config, vocab_size=tokenizer.vocab_size)
     seq_len = tc.seq_len or model_config.max_seq_len
     if seq_len > model_config.max_seq_len:
-        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
+        raise ValueError(
+            f"seq_len {seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
+        )
     if not resume:
         model = MoDTransformer(model_config).to(device)
     model.train()
@@ -234,13 +240,19 @@ def train(
     step_fn = torch.compile(model) if tc.compile else model
     log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
     if not resume:
-        write_json(out_dir / "run.json", {"model": model_config.to_dict(), "train": dataclasses.asdict(tc)})
+        write_json(
+            out_dir / "run.json", {"model": model_config.to_dict(), "train": dataclasses.asdict(tc)}
+        )
     tokens_per_step = tc.batch_size * seq_len
     elapsed = float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0
     last_eval: dict[str, Any] = {}
     bar = tqdm(
-        total=tc.steps, initial=start_step, disable=not progress, desc="train",
-        unit="step", dynamic_ncols=True,
+        total=tc.steps,
+        initial=start_step,
+        disable=not progress,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
     )
     window_t, window_tokens = time.perf_counter(), 0
     for step in range(start_step, tc.steps):
@@ -266,12 +278,19 @@ def train(
             elapsed += now - window_t
             window_t, window_tokens = now, 0
             rec = {
-                "step": done, "loss": out.loss.item(), "lm_loss": out.lm_loss.item(),
-                "aux_loss": out.aux_loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                "tokens_per_s": tok_s, "tokens": done * tokens_per_step,
+                "step": done,
+                "loss": out.loss.item(),
+                "lm_loss": out.lm_loss.item(),
+                "aux_loss": out.aux_loss.item(),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": tok_s,
+                "tokens": done * tokens_per_step,
             }
             log.write(rec)
-            bar.set_postfix(loss=f"{rec['lm_loss']:.3f}", aux=f"{rec['aux_loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+            bar.set_postfix(
+                loss=f"{rec['lm_loss']:.3f}", aux=f"{rec['aux_loss']:.3f}", tok_s=f"{tok_s:,.0f}"
+            )
         bar.update(1)
         if done % tc.eval_every == 0 or done == tc.steps:
             t0 = time.perf_counter()
@@ -279,9 +298,15 @@ def train(
             log.write({"step": done, **last_eval})
             bar.write(format_eval(done, last_eval))
             save_checkpoint(
-                ckpt_dir, model, model_config, optimizer=opt, tokenizer=tokenizer,
+                ckpt_dir,
+                model,
+                model_config,
+                optimizer=opt,
+                tokenizer=tokenizer,
                 trainer_state={
-                    "step": done, "sampler": sampler.state_dict(), "elapsed_s": elapsed,
+                    "step": done,
+                    "sampler": sampler.state_dict(),
+                    "elapsed_s": elapsed,
                     "train_config": dataclasses.asdict(tc),
                 },
             )
@@ -290,10 +315,15 @@ def train(
     if not last_eval:  # resumed at the final step: nothing left to train
         last_eval = evaluate(model, val, device)
     summary = {
-        "out": str(out_dir), "checkpoint": str(ckpt_dir), "steps": tc.steps,
-        "tokens": tc.steps * tokens_per_step, "train_time_s": elapsed,
-        "params": model.num_params(), "layer_kinds": model_config.layer_kinds,
-        "capacity": model_config.capacity, **last_eval,
+        "out": str(out_dir),
+        "checkpoint": str(ckpt_dir),
+        "steps": tc.steps,
+        "tokens": tc.steps * tokens_per_step,
+        "train_time_s": elapsed,
+        "params": model.num_params(),
+        "layer_kinds": model_config.layer_kinds,
+        "capacity": model_config.capacity,
+        **last_eval,
     }
     write_json(out_dir / "summary.json", summary)
     try:
@@ -305,7 +335,9 @@ def train(
 
 
 def format_eval(step: int, ev: dict[str, Any]) -> str:
-    parts = [f"step {step}: val loss top-k {ev['val_loss_topk']:.4f}, causal {ev['val_loss_causal']:.4f}"]
+    parts = [
+        f"step {step}: val loss top-k {ev['val_loss_topk']:.4f}, causal {ev['val_loss_causal']:.4f}"
+    ]
     if ev["routing_accuracy"]:
         acc = ", ".join(f"L{k} {v:.1%}" for k, v in ev["routing_accuracy"].items())
         parts.append(f"routing accuracy {acc}")
@@ -318,8 +350,10 @@ def format_eval(step: int, ev: dict[str, Any]) -> str:
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"trained {s['steps']} steps, {s['tokens']:,} tokens in {s['train_time_s']:.0f} s "
-        f"({s['params'] / 1e6:.2f}M parameters, layers {s['layer_kinds']}, capacity {s['capacity']})",
-        f"validation loss (nats/token): top-k {s['val_loss_topk']:.4f}   causal {s['val_loss_causal']:.4f}",
+        f"({s['params'] / 1e6:.2f}M parameters, layers {s['layer_kinds']}, "
+        f"capacity {s['capacity']})",
+        f"validation loss (nats/token): top-k {s['val_loss_topk']:.4f}   "
+        f"causal {s['val_loss_causal']:.4f}",
     ]
     for k, v in s["routing_accuracy"].items():
         take = s["causal_take_rate"].get(k)
@@ -342,11 +376,19 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
     train_rows = [r for r in rows if "lm_loss" in r]
     eval_rows = [r for r in rows if "val_loss_topk" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot([r["step"] for r in train_rows], [r["lm_loss"] for r in train_rows], lw=1,
-            label="train LM loss (top-k)")
+    ax.plot(
+        [r["step"] for r in train_rows],
+        [r["lm_loss"] for r in train_rows],
+        lw=1,
+        label="train LM loss (top-k)",
+    )
     for key, style in (("val_loss_topk", "o-"), ("val_loss_causal", "s--")):
-        ax.plot([r["step"] for r in eval_rows], [r[key] for r in eval_rows], style,
-                label=key.replace("_", " "))
+        ax.plot(
+            [r["step"] for r in eval_rows],
+            [r[key] for r in eval_rows],
+            style,
+            label=key.replace("_", " "),
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
@@ -359,7 +401,10 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
 
 
 def evaluate_checkpoint(
-    checkpoint: str | Path, data: str | None = None, n_batches: int = 16, batch_size: int = 8,
+    checkpoint: str | Path,
+    data: str | None = None,
+    n_batches: int = 16,
+    batch_size: int = 8,
     device: str = "auto",
 ) -> dict[str, Any]:
     """`mod eval`: validation loss in both modes and routing accuracy of a saved model."""
