@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +20,18 @@ ROUTING_MODES = ("joint", "staggered")
 ROUTER_GATES = ("raw", "sigmoid")
 CAUSAL_ROUTERS = ("aux_loss", "predictor")
 
-# Guards floor() against products such as 0.29 * 100 = 28.999999999999996.
-_CAPACITY_EPS = 1e-6
-
 
 def capacity_tokens(capacity: float, seq_len: int) -> int:
     """Tokens a routed block processes per sequence of `seq_len` in top-k mode.
 
-    ``k = floor(capacity * seq_len)`` (with a 1e-6 guard against float error), at most `seq_len`.
+    ``k = floor(capacity * seq_len)``, computed exactly on the decimal the float prints as
+    (``repr``), so 0.29 * 100 gives 29 although the float product is 28.999999999999996.
     When ``capacity * seq_len < 1`` this is 0: the block processes no token and every token rides
     the residual stream unchanged. We never round up to 1: that would make a one-token step dense.
     """
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
-    return min(seq_len, math.floor(capacity * seq_len + _CAPACITY_EPS))
+    return min(seq_len, math.floor(Fraction(repr(float(capacity))) * seq_len))
 
 
 @dataclass
@@ -94,7 +93,9 @@ class MoDConfig:
                 f"layer_pattern={self.layer_pattern!r} has unknown letters {bad}; allowed: 'D' "
                 "(dense block) and 'R' (routed block)"
             )
-        if not (isinstance(self.capacity, int | float) and 0.0 < self.capacity <= 1.0):
+        if isinstance(self.capacity, bool) or not (
+            isinstance(self.capacity, int | float) and 0.0 < self.capacity <= 1.0
+        ):
             raise ValueError(f"capacity must be in (0, 1], got {self.capacity!r}")
         self.capacity = float(self.capacity)
         for name, allowed in (
@@ -104,7 +105,7 @@ class MoDConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.aux_loss_weight < 0:
+        if not self.aux_loss_weight >= 0:  # also rejects NaN
             raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
         if self.predictor_hidden < 1:
             raise ValueError(f"predictor_hidden must be >= 1, got {self.predictor_hidden}")

@@ -65,15 +65,31 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+def rope_tables(
+    head_dim: int,
+    seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """cos/sin tables (seq_len, head_dim/2), computed in float64 and rounded once to `dtype`.
+
+    Built per forward rather than kept as buffers, so `model.to(torch.bfloat16)` cannot round the
+    angles of far positions and a float64 model gets float64 rotations.
+    """
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    )
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x_BHKd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate halves of the head dim; cos/sin broadcast to (B or 1, 1, K, d/2)."""
-    x1, x2 = x_BHKd.float().chunk(2, dim=-1)
+    """Rotate halves of the head dim; cos/sin broadcast to (B or 1, 1, K, d/2).
+
+    Computed in at least float32 (bf16 activations are rotated in float32, float64 stays float64).
+    """
+    x1, x2 = x_BHKd.to(cos.dtype).chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.type_as(x_BHKd)
 
@@ -255,9 +271,6 @@ class MoDTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         resid_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         for block in self.blocks:
@@ -283,7 +296,9 @@ class MoDTransformer(nn.Module):
             raise ValueError(f"idx must have shape (batch, seq_len), got {tuple(idx.shape)}")
         if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
             raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
-        T, V = idx.shape[1], self.config.vocab_size
+        B, T, V = idx.shape[0], idx.shape[1], self.config.vocab_size
+        if B < 1:
+            raise ValueError(f"batch size must be >= 1, got idx of shape {tuple(idx.shape)}")
         if T < 1 or T > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {T} is outside [1, max_seq_len={self.config.max_seq_len}]"
@@ -312,8 +327,14 @@ class MoDTransformer(nn.Module):
                 f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
             )
         T = idx.shape[1]
-        cos_T, sin_T = self.rope_cos[:T], self.rope_sin[:T]
         x_BTD = self.embed(idx)
+        cos_T, sin_T = rope_tables(
+            self.config.head_dim,
+            T,
+            self.config.rope_theta,
+            idx.device,
+            torch.promote_types(x_BTD.dtype, torch.float32),
+        )
         routes: list[Route] = []
         for block in self.blocks:
             x_BTD, block_routes = block(x_BTD, cos_T, sin_T, routing)
@@ -323,18 +344,23 @@ class MoDTransformer(nn.Module):
         out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
         if targets is not None:
             out.lm_loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100
+                logits.to(_loss_dtype(logits)).flatten(0, 1), targets.flatten(), ignore_index=-100
             )
             out.loss = out.lm_loss + self.config.aux_loss_weight * aux_loss
         return out
 
 
+def _loss_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # bf16 -> float32, float64 stays
+
+
 def router_aux_loss(routes: list[Route], like: Tensor) -> Tensor:
     """Mean over routers of the BCE between causal-decision logits and per-row top-k membership."""
+    dtype = _loss_dtype(like)
     if not routes:
-        return like.new_zeros((), dtype=torch.float32)
+        return like.new_zeros((), dtype=dtype)
     losses = [
-        F.binary_cross_entropy_with_logits(r.decision_logits.float(), r.target.float())
+        F.binary_cross_entropy_with_logits(r.decision_logits.to(dtype), r.target.to(dtype))
         for r in routes
     ]
     return torch.stack(losses).mean()

@@ -1,0 +1,224 @@
+"""A slow, obviously correct loop implementation of the MoD forward pass: the tests' oracle.
+
+It reads the parameters of a `MoDTransformer` but none of its forward code: RMSNorm, RoPE, attention
+(with GQA by repeating key/value heads), SwiGLU, the routers, the top-k choice (ties to the earlier
+position) and the causal decisions are all written out here with explicit loops over batch rows,
+routers, tokens, heads and query positions. Everything is computed in float64.
+
+Semantics (DESIGN.md section 1): for a routed sub-block and one batch row, a set S of token
+positions is chosen (top-k of the raw router weight r = x @ w, or, causally, the tokens whose
+decision logit is > 0); the sub-block runs on the tokens of S alone, each attending to the tokens of
+S at or before its own position, rotated at its original position; token i in S becomes
+x_i + g(r_i) * f_i and every other token is left as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mixture_of_depths import MoDTransformer, capacity_tokens
+
+
+@dataclass
+class RefRoute:
+    layer: int
+    kind: str  # "block", "attn" or "mlp"
+    mask: Tensor  # (B, T) bool: tokens that went through the sub-block
+    logits: Tensor  # (B, T) raw router weights r
+    target: Tensor  # (B, T) bool: top-k membership of r, per row
+    predictor_logits: Tensor | None  # (B, T), predictor mode only
+
+
+@dataclass
+class RefOutput:
+    logits: Tensor  # (B, T, V)
+    routes: list[RefRoute]
+
+
+def _w(linear) -> Tensor:  # noqa: ANN001
+    return linear.weight.detach().to(torch.float64)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x: (D,) one token."""
+    return x / math.sqrt(float((x * x).mean()) + eps) * weight
+
+
+def silu(z: Tensor) -> Tensor:
+    return z / (1.0 + torch.exp(-z))
+
+
+def sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+def rotate(v: Tensor, pos: int, theta: float) -> Tensor:
+    """RoPE on one head vector v (head_dim,) at absolute position `pos`: rotate the two halves.
+
+    Pair i = (v[i], v[i + d/2]) turns by the angle pos * theta^(-2i/d).
+    """
+    d = v.shape[0]
+    half = d // 2
+    angle = torch.tensor([pos * theta ** (-(2 * i) / d) for i in range(half)], dtype=torch.float64)
+    c, s = torch.cos(angle), torch.sin(angle)
+    x1, x2 = v[:half], v[half:]
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c))
+
+
+def topk_set(r: list[float], k: int) -> list[int]:
+    """The k positions of largest r, ties broken by the lower position; returned ascending."""
+    return sorted(sorted(range(len(r)), key=lambda i: (-r[i], i))[:k])
+
+
+class _Params:
+    """The weights of one block, read out of the model as float64 tensors."""
+
+    def __init__(self, block, cfg) -> None:  # noqa: ANN001
+        self.wq, self.wk = _w(block.attn.wq), _w(block.attn.wk)
+        self.wv, self.wo = _w(block.attn.wv), _w(block.attn.wo)
+        self.attn_norm = block.attn_norm.weight.detach().to(torch.float64)
+        self.mlp_norm = block.mlp_norm.weight.detach().to(torch.float64)
+        self.w1, self.w2, self.w3 = _w(block.mlp.w1), _w(block.mlp.w2), _w(block.mlp.w3)
+        self.eps = cfg.norm_eps
+        self.theta = cfg.rope_theta
+        self.H, self.KVH, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
+
+
+def attn_update(p: _Params, xs: list[Tensor], pos: list[int]) -> list[Tensor]:
+    """Attention update a_i for the tokens xs (each (D,)) at original positions pos (ascending).
+
+    Token i attends to the tokens j of this list with pos[j] <= pos[i], and to nothing else.
+    """
+    n = len(xs)
+    H, KVH, hd = p.H, p.KVH, p.hd
+    group = H // KVH  # query heads per key/value head
+    q, k, v = [], [], []
+    for i in range(n):
+        h = rms_norm(xs[i], p.attn_norm, p.eps)
+        qi = (p.wq @ h).view(H, hd)
+        ki = (p.wk @ h).view(KVH, hd)
+        vi = (p.wv @ h).view(KVH, hd)
+        q.append([rotate(qi[a], pos[i], p.theta) for a in range(H)])
+        # GQA: repeat every key/value head `group` times (head a reads kv head a // group).
+        k.append([rotate(ki[a // group], pos[i], p.theta) for a in range(H)])
+        v.append([vi[a // group] for a in range(H)])
+    out = []
+    for i in range(n):
+        heads = []
+        for a in range(H):
+            visible = [j for j in range(n) if pos[j] <= pos[i]]
+            scores = [float(q[i][a] @ k[j][a]) / math.sqrt(hd) for j in visible]
+            m = max(scores)
+            e = [math.exp(s - m) for s in scores]
+            z = sum(e)
+            y = torch.zeros(hd, dtype=torch.float64)
+            for w, j in zip(e, visible, strict=True):
+                y = y + (w / z) * v[j][a]
+            heads.append(y)
+        out.append(p.wo @ torch.cat(heads))
+    return out
+
+
+def mlp_update(p: _Params, x: Tensor) -> Tensor:
+    h = rms_norm(x, p.mlp_norm, p.eps)
+    return p.w2 @ (silu(p.w1 @ h) * (p.w3 @ h))
+
+
+def block_update(p: _Params, xs: list[Tensor], pos: list[int]) -> list[Tensor]:
+    """Joint block update f = a + mlp(mlp_norm(x + a)), a = attn(attn_norm(x))."""
+    a = attn_update(p, xs, pos)
+    return [a[i] + mlp_update(p, xs[i] + a[i]) for i in range(len(xs))]
+
+
+def sub_update(p: _Params, kind: str, xs: list[Tensor], pos: list[int]) -> list[Tensor]:
+    if kind == "block":
+        return block_update(p, xs, pos)
+    if kind == "attn":
+        return attn_update(p, xs, pos)
+    return [mlp_update(p, x) for x in xs]
+
+
+def predictor_logit(pred, x: Tensor) -> float:  # noqa: ANN001
+    w1, b1 = _w(pred.fc1), pred.fc1.bias.detach().to(torch.float64)
+    w2, b2 = _w(pred.fc2), pred.fc2.bias.detach().to(torch.float64)
+    return float(w2 @ silu(w1 @ x + b1) + b2)
+
+
+def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk") -> RefOutput:
+    """Loop forward of `model` on `idx` (B, T); routing "topk" or "causal"."""
+    cfg = model.config
+    B, T = idx.shape
+    k = capacity_tokens(cfg.capacity, T)
+    emb = model.embed.weight.detach().to(torch.float64)
+    head = model.lm_head.weight.detach().to(torch.float64)
+    final_norm = model.norm.weight.detach().to(torch.float64)
+
+    # Per row: the residual stream as a list of T vectors.
+    streams = [[emb[int(idx[b, t])].clone() for t in range(T)] for b in range(B)]
+    routes: list[RefRoute] = []
+    for layer, block in enumerate(model.blocks):
+        p = _Params(block, cfg)
+        if cfg.layer_kinds[layer] == "D":
+            for b in range(B):
+                streams[b] = [
+                    x + f
+                    for x, f in zip(
+                        streams[b], block_update(p, streams[b], list(range(T))), strict=True
+                    )
+                ]
+            continue
+        kinds = ["block"] if cfg.routing == "joint" else ["attn", "mlp"]
+        for kind in kinds:
+            w = block.router[kind].weight.detach().to(torch.float64)[0]
+            mask = torch.zeros(B, T, dtype=torch.bool)
+            target = torch.zeros(B, T, dtype=torch.bool)
+            r_bt = torch.zeros(B, T, dtype=torch.float64)
+            pred_bt = torch.zeros(B, T, dtype=torch.float64)
+            for b in range(B):
+                xs = streams[b]
+                r = [float(x @ w) for x in xs]
+                chosen_topk = topk_set(r, k)
+                if cfg.causal_router == "predictor":
+                    pl = [predictor_logit(block.predictor[kind], x) for x in xs]
+                else:
+                    pl = None
+                if routing == "topk":
+                    chosen = chosen_topk
+                else:
+                    decision = r if pl is None else pl
+                    chosen = [t for t in range(T) if decision[t] > 0]
+                if chosen:
+                    f = sub_update(p, kind, [xs[t] for t in chosen], chosen)
+                    new = list(xs)
+                    for t, ft in zip(chosen, f, strict=True):
+                        g = r[t] if cfg.router_gate == "raw" else sigmoid(r[t])
+                        new[t] = xs[t] + g * ft
+                    streams[b] = new
+                for t in range(T):
+                    r_bt[b, t] = r[t]
+                    if pl is not None:
+                        pred_bt[b, t] = pl[t]
+                for t in chosen:
+                    mask[b, t] = True
+                for t in chosen_topk:
+                    target[b, t] = True
+            routes.append(
+                RefRoute(
+                    layer,
+                    kind,
+                    mask,
+                    r_bt,
+                    target,
+                    pred_bt if cfg.causal_router == "predictor" else None,
+                )
+            )
+
+    logits = torch.zeros(B, T, cfg.vocab_size, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            logits[b, t] = head @ rms_norm(streams[b][t], final_norm, cfg.norm_eps)
+    return RefOutput(logits, routes)

@@ -1,0 +1,196 @@
+"""`MoDConfig`: serialisation, presets, validation, capacity rounding and layer tiling."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from mixture_of_depths import PRESETS, MoDConfig, MoDTransformer, capacity_tokens
+
+# -- JSON ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        MoDConfig(),
+        MoDConfig.preset(
+            "tiny",
+            capacity=0.3,
+            routing="staggered",
+            router_gate="raw",
+            causal_router="predictor",
+            n_kv_heads=2,
+            d_ff=100,
+            tie_embeddings=False,
+        ),
+        MoDConfig.preset("base", capacity=1, aux_loss_weight=0.0),
+    ],
+)
+def test_json_round_trip(cfg, tmp_path):
+    text = cfg.to_json()
+    assert json.loads(text) == cfg.to_dict()
+    again = MoDConfig.from_json(text)
+    assert again == cfg
+    assert again.to_dict() == cfg.to_dict()
+    assert [type(getattr(again, f.name)) for f in dataclasses.fields(cfg)] == [
+        type(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+    ]
+    path = tmp_path / "sub dir" / "config.json"
+    path.parent.mkdir()
+    assert cfg.to_json(path) == text
+    assert MoDConfig.from_json(path) == cfg
+    assert MoDConfig.from_json(str(path)) == cfg
+    assert MoDConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_from_json_rejects_unknown_field():
+    text = json.dumps({**MoDConfig().to_dict(), "capcity": 0.5})
+    with pytest.raises(ValueError, match="capcity"):
+        MoDConfig.from_json(text)
+
+
+# -- presets ------------------------------------------------------------------------------------
+
+
+def _count_params(cfg: MoDConfig) -> int:
+    with torch.device("meta"):  # no memory, no init cost
+        return MoDTransformer(cfg).num_params()
+
+
+def test_presets_exist_and_pair_up():
+    assert {"tiny", "small", "base"} <= set(PRESETS)
+    for name in PRESETS:
+        cfg = MoDConfig.preset(name)
+        assert MoDConfig.from_json(cfg.to_json()) == cfg
+        if name.endswith("-dense"):
+            assert cfg.is_dense
+            assert cfg == MoDConfig.preset(name.removesuffix("-dense")).dense_twin()
+        else:
+            assert not cfg.is_dense
+            assert f"{name}-dense" in PRESETS
+    assert MoDConfig.preset("tiny", capacity=0.5).capacity == 0.5
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "base"])
+@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
+def test_dense_twin_has_the_parameters_minus_the_routers(name, routing, causal_router):
+    cfg = MoDConfig.preset(name, routing=routing, causal_router=causal_router)
+    dense = cfg.dense_twin()
+    assert dense.is_dense and dense.layer_pattern == "D"
+    assert dataclasses.replace(dense, layer_pattern=cfg.layer_pattern) == cfg
+    n_routers = len(cfg.routed_layers) * (1 if routing == "joint" else 2)
+    d, h = cfg.d_model, cfg.predictor_hidden
+    per_router = d + ((d * h + h) + (h + 1) if causal_router == "predictor" else 0)
+    assert _count_params(cfg) - _count_params(dense) == n_routers * per_router
+
+
+def test_tiny_preset_builds_and_runs():
+    cfg = MoDConfig.preset("tiny")
+    model = MoDTransformer(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    out = model(idx, targets=idx)
+    assert out.logits.shape == (2, 16, cfg.vocab_size)
+    assert torch.isfinite(out.loss)
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (dict(capacity=0), ["capacity", "got 0"]),
+        (dict(capacity=0.0), ["capacity", "0.0"]),
+        (dict(capacity=-0.1), ["capacity", "-0.1"]),
+        (dict(capacity=1.5), ["capacity", "1.5"]),
+        (dict(capacity=float("nan")), ["capacity", "nan"]),
+        (dict(layer_pattern="DX"), ["layer_pattern", "'DX'", "X"]),
+        (dict(layer_pattern=""), ["layer_pattern", "''"]),
+        (dict(d_model=64, n_heads=5), ["n_heads=5", "64"]),
+        (dict(d_model=64, n_heads=4, n_kv_heads=3), ["n_kv_heads=3", "4"]),
+        (dict(routing="jointt"), ["routing", "'jointt'"]),
+        (dict(router_gate="relu"), ["router_gate", "'relu'"]),
+        (dict(causal_router="topk"), ["causal_router", "'topk'"]),
+        (dict(n_layers=0), ["n_layers", "0"]),
+        (dict(vocab_size=2.5), ["vocab_size", "2.5"]),
+        (dict(aux_loss_weight=-1.0), ["aux_loss_weight", "-1.0"]),
+    ],
+)
+def test_invalid_config_raises_value_error_naming_the_value(overrides, needles):
+    with pytest.raises(ValueError) as err:
+        MoDConfig(**overrides)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_unknown_preset_and_unknown_field():
+    with pytest.raises(ValueError, match="'huge'"):
+        MoDConfig.preset("huge")
+    with pytest.raises(ValueError, match="capcity"):
+        MoDConfig.from_dict({"capcity": 0.5})
+    with pytest.raises(ValueError, match="capacity"):
+        MoDConfig.preset("tiny", capacity=2.0)  # overrides are validated too
+
+
+def test_defaults_are_derived():
+    cfg = MoDConfig(d_model=96, n_heads=4, ff_mult=3.0)
+    assert cfg.n_kv_heads == 4 and cfg.head_dim == 24
+    assert cfg.d_ff % 32 == 0 and cfg.d_ff >= 3.0 * 96 and cfg.d_ff - 32 < 3.0 * 96
+    assert isinstance(MoDConfig(capacity=1).capacity, float)
+
+
+# -- capacity rounding --------------------------------------------------------------------------
+
+
+def _exact_k(capacity: float, seq_len: int) -> int:
+    """floor(capacity * T) in exact arithmetic on the decimal the user wrote."""
+    return min(seq_len, math.floor(Fraction(repr(capacity)) * seq_len))
+
+
+def test_capacity_tokens_matches_exact_floor():
+    capacities = sorted({i / 200 for i in range(1, 201)} | {0.29, 0.57, 0.58, 0.07, 0.14, 0.123})
+    hazards = 0
+    for c in capacities:
+        for seq_len in range(0, 260):
+            k = capacity_tokens(c, seq_len)
+            assert k == _exact_k(c, seq_len), (c, seq_len, k)
+            hazards += math.floor(c * seq_len) != _exact_k(c, seq_len)
+    assert hazards > 0  # the sweep contains products that fall just below an integer in float
+
+
+def test_capacity_tokens_edges():
+    assert capacity_tokens(0.125, 7) == 0  # capacity * T < 1: no token, never rounded up
+    assert capacity_tokens(0.5, 1) == 0  # a one-token step in top-k mode is not dense
+    assert capacity_tokens(1.0, 37) == 37
+    assert capacity_tokens(0.3, 0) == 0
+    with pytest.raises(ValueError, match="-1"):
+        capacity_tokens(0.5, -1)
+    cfg = MoDConfig(capacity=0.29)
+    assert all(cfg.capacity_tokens(t) == capacity_tokens(0.29, t) for t in range(300))
+
+
+# -- layer tiling -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pattern, n_layers",
+    [("DR", 5), ("DR", 8), ("RRD", 7), ("DRRD", 2), ("R", 3), ("D", 4), ("DDDR", 4)],
+)
+def test_layer_kinds_tile_the_pattern(pattern, n_layers):
+    cfg = MoDConfig(layer_pattern=pattern, n_layers=n_layers, d_model=16, n_heads=2)
+    expected = "".join(pattern[i % len(pattern)] for i in range(n_layers))
+    assert cfg.layer_kinds == expected
+    assert cfg.routed_layers == [i for i, c in enumerate(expected) if c == "R"]
+    assert cfg.is_dense == ("R" not in expected)
+    assert [b.routed for b in MoDTransformer(cfg).blocks] == [c == "R" for c in expected]
+
+
+def test_layer_kinds_example():
+    assert MoDConfig(layer_pattern="DR", n_layers=5).layer_kinds == "DRDRD"

@@ -1,0 +1,573 @@
+"""`MoDTransformer` against oracles: the loop reference, dense equivalence, recomputation.
+
+No golden numbers: every expected value is recomputed here (tests/reference.py is the loop oracle).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import reference_forward, topk_set
+
+from mixture_of_depths import MoDConfig, MoDTransformer, capacity_tokens
+from mixture_of_depths.model import topk_indices
+
+V = 61  # vocabulary of the test models
+T = 23  # an awkward sequence length
+B = 3
+
+# float64 end to end (RoPE included), so the vectorised model must match the loop oracle to
+# round-off.
+TOL = STRICT = dict(rtol=0.0, atol=1e-10)
+
+
+def make_config(**overrides) -> MoDConfig:
+    base = dict(
+        vocab_size=V, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128,
+        layer_pattern="RDR", capacity=0.3, predictor_hidden=16,
+    )  # fmt: skip
+    return MoDConfig(**{**base, **overrides})
+
+
+def tokens(batch: int = B, length: int = T, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def randomise(model: MoDTransformer, seed: int) -> None:
+    """O(1) weights everywhere (the default init is tiny), so routing and gates really matter.
+
+    Router weights are N(0, 1) so that r = x @ w is O(1) and has both signs.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if "norm" in name:
+                p.copy_(1 + 0.2 * z)
+            elif "router" in name:
+                p.copy_(z)
+            elif p.ndim == 2:
+                p.copy_(z / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.3 * z)
+
+
+def calibrate_predictors(model: MoDTransformer, idx: torch.Tensor) -> None:
+    """Shift each predictor's output bias so that about half of the tokens take its block.
+
+    A randomly initialised predictor often says "take" (or "skip") for every token. Routers are
+    calibrated in forward order on causal routing, since each one reads the previous ones' output.
+    """
+    n_routes = len(model(idx, routing="causal").routes)
+    for i in range(n_routes):
+        route = model(idx, routing="causal").routes[i]
+        with torch.no_grad():
+            fc2 = model.blocks[route.layer].predictor[route.kind].fc2
+            z = route.predictor_logits.flatten().sort().values
+            mid = len(z) // 2
+            # Midway between two neighbours, so that no token sits on the threshold 0.
+            fc2.bias -= (z[mid - 1] + z[mid]) / 2
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> MoDTransformer:
+    torch.manual_seed(seed)
+    model = MoDTransformer(make_config(**overrides))
+    randomise(model, seed + 1)
+    model = model.to(dtype).eval()
+    if model.config.causal_router == "predictor" and not model.config.is_dense:
+        calibrate_predictors(model, tokens(seed=seed + 100))
+    return model
+
+
+def assert_matches_reference(model, idx, routing, tol=TOL):  # noqa: ANN001, ANN201
+    out = model(idx, routing=routing)
+    ref = reference_forward(model, idx, routing)
+    torch.testing.assert_close(out.logits, ref.logits, **tol)
+    assert [(r.layer, r.kind) for r in out.routes] == [(r.layer, r.kind) for r in ref.routes]
+    for got, exp in zip(out.routes, ref.routes, strict=True):
+        assert torch.equal(got.mask, exp.mask), (got.layer, got.kind)
+        assert torch.equal(got.target, exp.target), (got.layer, got.kind)
+        torch.testing.assert_close(got.logits, exp.logits, **tol)
+        if exp.predictor_logits is None:
+            assert got.predictor_logits is None
+        else:
+            torch.testing.assert_close(got.predictor_logits, exp.predictor_logits, **tol)
+    return out, ref
+
+
+# -- the loop oracle ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", ["raw", "sigmoid"])
+@pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_matches_reference(routing, mode, causal_router, gate):
+    model = make_model(routing=mode, causal_router=causal_router, router_gate=gate)
+    out, _ = assert_matches_reference(model, tokens(), routing)
+    assert model.config.routed_layers == [0, 2, 3]  # "RDR" tiled on 4 layers: R D R R
+    assert len(out.routes) == 3 * (1 if mode == "joint" else 2)
+    taken = torch.stack([r.mask for r in out.routes])
+    assert taken.any() and not taken.all()  # routing is not trivial in this case
+    if routing == "topk":
+        assert (taken.sum(-1) == capacity_tokens(0.3, T)).all()
+
+
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_matches_reference_mha_all_routed(routing):
+    """Plain multi-head attention, every block routed, a different capacity and length."""
+    model = make_model(seed=3, n_kv_heads=4, layer_pattern="R", n_layers=3, capacity=0.5)
+    assert_matches_reference(model, tokens(4, 19, seed=3), routing)
+
+
+def test_dense_model_matches_reference():
+    model = make_model(seed=5, layer_pattern="D")
+    idx = tokens(seed=5)
+    out, _ = assert_matches_reference(model, idx, "topk")
+    assert out.routes == []
+    assert torch.equal(model(idx, routing="causal").logits, out.logits)
+
+
+def test_float64_model_is_exact_in_float64():
+    """A model cast to float64 computes in float64 (RoPE too): the loop oracle agrees to 1e-10."""
+    model = make_model(router_gate="raw")
+    assert_matches_reference(model, tokens(), "topk", tol=STRICT)
+
+
+# -- skipped tokens, counts, ordering, ties -----------------------------------------------------
+
+
+def _record_routed_blocks(model):  # noqa: ANN001, ANN202
+    seen = []
+
+    def hook(module, args, output):  # noqa: ANN001, ANN202
+        seen.append((args[0].detach().clone(), output[0].detach(), output[1]))
+
+    handles = [b.register_forward_hook(hook) for b in model.blocks if b.routed]
+    return seen, handles
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_skipped_tokens_are_bit_identical(routing, mode, dtype):
+    model = make_model(routing=mode, dtype=dtype)
+    seen, handles = _record_routed_blocks(model)
+    model(tokens(), routing=routing)
+    for h in handles:
+        h.remove()
+    assert len(seen) == 3
+    for x_in, x_out, routes in seen:
+        took = torch.zeros_like(routes[0].mask)
+        for r in routes:
+            took |= r.mask
+        assert took.any() and (~took).any()
+        assert torch.equal(x_out[~took], x_in[~took])
+        assert (x_out[took] != x_in[took]).any(-1).all()  # the others really were updated
+
+
+@pytest.mark.parametrize(
+    "capacity, length",
+    [(0.29, 100), (0.57, 100), (0.58, 100), (0.3, 23), (0.125, 23), (0.5, 2), (1.0, 23)],
+)
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_topk_selects_exactly_k_per_row(capacity, length, mode):
+    k = math.floor(Fraction(str(capacity)) * length)
+    model = make_model(capacity=capacity, routing=mode, dtype=torch.float32)
+    out = model(tokens(4, length, seed=7), routing="topk")
+    for r in out.routes:
+        assert (r.mask.sum(1) == k).all(), (capacity, length, r.mask.sum(1).tolist())
+        assert torch.equal(r.target, r.mask)
+    if k == length:
+        assert all(r.mask.all() for r in out.routes)
+
+
+def test_capacity_float_hazard_is_exercised():
+    # Precondition of the sweep above: 0.29 * 100 and friends land just below the integer in float.
+    assert math.floor(0.29 * 100) == 28 and math.floor(0.57 * 100) == 56
+    assert math.floor(0.58 * 100) == 57
+
+
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("capacity, length", [(0.01, 23), (0.5, 1), (0.125, 7)])
+def test_zero_capacity_leaves_stream_unchanged(capacity, length, mode):
+    """capacity * T < 1 gives k = 0: the routed block is the identity and nothing crashes."""
+    assert capacity_tokens(capacity, length) == 0
+    model = make_model(capacity=capacity, routing=mode, dtype=torch.float32)
+    idx = tokens(B, length, seed=2)
+    seen, _ = _record_routed_blocks(model)
+    out = model(idx, targets=idx, routing="topk")
+    for x_in, x_out, routes in seen:
+        assert torch.equal(x_out, x_in)
+        assert all(not r.mask.any() and not r.target.any() for r in routes)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_topk_indices_sorted_exact_and_ties_to_earlier():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(0, 4, (5, 17), generator=g).double()  # many ties
+    for k in range(18):
+        idx = topk_indices(r, k)
+        assert idx.shape == (5, k)
+        for b in range(5):
+            assert idx[b].tolist() == topk_set(r[b].tolist(), k)
+
+
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_equal_router_weights_pick_the_earliest_tokens(mode):
+    model = make_model(routing=mode, router_gate="sigmoid")
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.routed:
+                for lin in block.router.values():
+                    lin.weight.zero_()
+    idx = tokens()
+    k = capacity_tokens(0.3, T)
+    first = model(idx).routes
+    again = model(idx).routes
+    expected = torch.zeros(B, T, dtype=torch.bool)
+    expected[:, :k] = True
+    for r, r2 in zip(first, again, strict=True):
+        assert torch.equal(r.mask, expected)
+        assert torch.equal(r2.mask, expected)
+    assert_matches_reference(model, idx, "topk")
+
+
+def test_exact_ties_in_router_weights_break_to_lower_position():
+    """Repeated tokens give bit-equal r at layer 0; the boundary of top-k falls inside a tie."""
+    model = make_model(seed=4, layer_pattern="RD", n_layers=2, capacity=0.25)
+    g = torch.Generator().manual_seed(4)
+    alphabet = torch.tensor([5, 17, 40])
+    idx = alphabet[torch.randint(0, 3, (B, 24), generator=g)]
+    out, _ = assert_matches_reference(model, idx, "topk")
+    r0 = out.routes[0].logits
+    k = capacity_tokens(0.25, 24)
+    ties = 0
+    for b in range(B):
+        ranked = sorted(r0[b].tolist(), reverse=True)
+        ties += ranked[k - 1] == ranked[k]
+    assert ties > 0  # precondition: the k-th and (k+1)-th router weights are equal in some row
+
+
+# -- causality ----------------------------------------------------------------------------------
+
+
+def _change_after(idx: torch.Tensor, t: int, seed: int) -> torch.Tensor:
+    idx2 = idx.clone()
+    g = torch.Generator().manual_seed(seed)
+    shift = torch.randint(1, V, idx2[:, t + 1 :].shape, generator=g)
+    idx2[:, t + 1 :] = (idx2[:, t + 1 :] + shift) % V  # every later token differs
+    return idx2
+
+
+@pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_causal_mode_is_causal(mode, causal_router):
+    model = make_model(routing=mode, causal_router=causal_router)
+    idx = tokens()
+    out = model(idx, routing="causal")
+    for r in out.routes:  # some tokens take each router and some skip it
+        assert r.mask.any() and (~r.mask).any(), (r.layer, r.kind)
+    for t in (0, 4, 11, 17, T - 2):
+        out2 = model(_change_after(idx, t, seed=t), routing="causal")
+        torch.testing.assert_close(out2.logits[:, : t + 1], out.logits[:, : t + 1], **STRICT)
+        for r, r2 in zip(out.routes, out2.routes, strict=True):
+            assert torch.equal(r.mask[:, : t + 1], r2.mask[:, : t + 1])
+        assert not torch.allclose(out2.logits[:, t + 1 :], out.logits[:, t + 1 :])
+
+
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_topk_mode_is_not_causal(mode):
+    """The same property fails for top-k routing: later tokens change earlier choices and logits."""
+    model = make_model(routing=mode)
+    idx = tokens()
+    out = model(idx, routing="topk")
+    leaks = 0
+    for t in (2, 6, 11):
+        out2 = model(_change_after(idx, t, seed=t), routing="topk")
+        leaks += not torch.allclose(out2.logits[:, : t + 1], out.logits[:, : t + 1])
+    assert leaks > 0
+
+
+# -- dense equivalence --------------------------------------------------------------------------
+
+
+def _dense_twin_with_same_weights(model: MoDTransformer) -> MoDTransformer:
+    dense = MoDTransformer(model.config.dense_twin()).to(torch.float64)
+    result = dense.load_state_dict(model.state_dict(), strict=False)
+    assert result.missing_keys == []
+    assert all(".router." in k or ".predictor." in k for k in result.unexpected_keys)
+    return dense.eval()
+
+
+def _unit_gates(model: MoDTransformer) -> None:
+    for block in model.blocks:
+        if block.routed:
+            block.gate = torch.ones_like  # g(r) = 1: a routed block that takes all is dense
+
+
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_full_capacity_with_unit_gate_equals_dense(mode):
+    model = make_model(routing=mode, capacity=1.0)
+    dense = _dense_twin_with_same_weights(model)
+    idx = tokens()
+    _unit_gates(model)
+    out = model(idx, routing="topk")
+    assert all(r.mask.all() for r in out.routes)
+    torch.testing.assert_close(out.logits, dense(idx).logits, **STRICT)
+
+
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_causal_all_take_with_unit_gate_equals_dense(mode):
+    """A predictor that always says "take" makes causal routing dense; "skip" makes it identity."""
+    model = make_model(routing=mode, causal_router="predictor")
+    dense = _dense_twin_with_same_weights(model)
+    idx = tokens()
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.routed:
+                for pred in block.predictor.values():
+                    pred.fc2.weight.zero_()
+                    pred.fc2.bias.fill_(5.0)
+    _unit_gates(model)
+    out = model(idx, routing="causal")
+    assert all(r.mask.all() for r in out.routes)
+    torch.testing.assert_close(out.logits, dense(idx).logits, **STRICT)
+
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.routed:
+                for pred in block.predictor.values():
+                    pred.fc2.bias.fill_(-5.0)
+    seen, _ = _record_routed_blocks(model)
+    out = model(idx, routing="causal")
+    assert all(not r.mask.any() for r in out.routes)
+    for x_in, x_out, _ in seen:
+        assert torch.equal(x_out, x_in)
+
+
+# -- gradients ----------------------------------------------------------------------------------
+
+
+def _lm_loss64(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("gate", ["raw", "sigmoid"])
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_router_learns_from_lm_loss_alone(mode, gate):
+    """Top-k mode, aux_loss_weight=0: the LM loss reaches every router through g(r), correctly.
+
+    The gradient is checked against a central finite difference along a random direction (top-k
+    selection is piecewise constant, so a small step does not change it).
+    """
+    model = make_model(routing=mode, router_gate=gate, aux_loss_weight=0.0)
+    idx, targets = tokens(seed=1), tokens(seed=2)
+    out = model(idx, targets=targets)
+    torch.testing.assert_close(out.loss, out.lm_loss, rtol=0, atol=0)
+    out.loss.backward()
+    routers = [lin.weight for b in model.blocks if b.routed for lin in b.router.values()]
+    assert routers and all(w.grad is not None and w.grad.abs().sum() > 0 for w in routers)
+
+    model.zero_grad()
+    _lm_loss64(model(idx).logits, targets).backward()
+    g = torch.Generator().manual_seed(9)
+    # Central differences in float64: truncation error ~eps^2, round-off ~1e-16/eps.
+    eps = 1e-5
+    for w in routers:
+        direction = torch.randn(w.shape, generator=g, dtype=w.dtype)
+        analytic = float((w.grad * direction).sum())
+        with torch.no_grad():
+            w.add_(eps * direction)
+            plus = float(_lm_loss64(model(idx).logits, targets))
+            w.sub_(2 * eps * direction)
+            minus = float(_lm_loss64(model(idx).logits, targets))
+            w.add_(eps * direction)
+        assert analytic == pytest.approx((plus - minus) / (2 * eps), rel=1e-5, abs=1e-9)
+
+
+def test_aux_loss_trains_the_router():
+    model = make_model(causal_router="aux_loss")
+    out = model(tokens(), targets=tokens(seed=2))
+    routers = [lin.weight for b in model.blocks if b.routed for lin in b.router.values()]
+    grads = torch.autograd.grad(out.aux_loss, routers)
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_predictor_is_behind_a_stop_gradient():
+    model = make_model(causal_router="predictor", routing="staggered", aux_loss_weight=0.5)
+    idx, targets = tokens(seed=1), tokens(seed=2)
+    pred_params = [(n, p) for n, p in model.named_parameters() if ".predictor." in n]
+    other = [(n, p) for n, p in model.named_parameters() if ".predictor." not in n]
+    assert pred_params
+
+    out = model(idx, targets=targets)
+    lm_grads = torch.autograd.grad(
+        out.lm_loss, [p for _, p in model.named_parameters()], retain_graph=True, allow_unused=True
+    )
+    by_name = dict(zip([n for n, _ in model.named_parameters()], lm_grads, strict=True))
+    assert all(by_name[n] is None or not by_name[n].any() for n, _ in pred_params)
+
+    aux_grads = torch.autograd.grad(
+        out.aux_loss, [p for _, p in other], retain_graph=True, allow_unused=True
+    )
+    assert all(g is None or not g.any() for g in aux_grads)
+    aux_pred = torch.autograd.grad(out.aux_loss, [p for _, p in pred_params], retain_graph=True)
+    assert all(g.abs().sum() > 0 for g in aux_pred)
+
+    # The full loss gives every non-predictor parameter exactly its LM gradient.
+    out.loss.backward()
+    for n, p in other:
+        expected = by_name[n] if by_name[n] is not None else torch.zeros_like(p)
+        assert torch.equal(p.grad, expected), n
+
+    # The predictor's weights do not change the LM loss or the logits (top-k mode).
+    with torch.no_grad():
+        for _, p in pred_params:
+            p.add_(torch.randn_like(p))
+    out2 = model(idx, targets=targets)
+    assert torch.equal(out2.logits, out.logits) and torch.equal(out2.lm_loss, out.lm_loss)
+    assert not torch.equal(out2.aux_loss, out.aux_loss)
+
+
+def test_predictor_presence_does_not_change_the_lm():
+    """Same shared weights with and without predictors: same logits, LM loss and LM gradients."""
+    with_pred = make_model(causal_router="predictor")
+    without = make_model(causal_router="aux_loss")
+    without.load_state_dict(with_pred.state_dict(), strict=False)
+    idx, targets = tokens(seed=1), tokens(seed=2)
+    a, b = with_pred(idx, targets=targets), without(idx, targets=targets)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.lm_loss, b.lm_loss)
+    a.lm_loss.backward()
+    b.lm_loss.backward()
+    grads_b = dict(without.named_parameters())
+    for n, p in with_pred.named_parameters():
+        if ".predictor." not in n:
+            assert torch.equal(p.grad, grads_b[n].grad), n
+
+
+# -- aux targets and losses ---------------------------------------------------------------------
+
+
+def _bce_by_hand(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    z, t = z.double(), target.double()
+    p = 1 / (1 + torch.exp(-z))
+    return -(t * torch.log(p) + (1 - t) * torch.log(1 - p)).mean()
+
+
+@pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_aux_targets_and_loss_per_row(routing, mode, causal_router):
+    model = make_model(routing=mode, causal_router=causal_router, dtype=torch.float32)
+    idx = tokens(5, T, seed=11)
+    out = model(idx, routing=routing)
+    k = capacity_tokens(0.3, T)
+    losses = []
+    for r in out.routes:
+        for b in range(idx.shape[0]):
+            expected = torch.zeros(T, dtype=torch.bool)
+            expected[topk_set(r.logits[b].tolist(), k)] = True
+            assert torch.equal(r.target[b], expected), (r.layer, r.kind, b)
+        assert (r.target.sum(1) == k).all()  # every row has its own k positives
+        z = r.predictor_logits if causal_router == "predictor" else r.logits
+        assert (r.predictor_logits is not None) == (causal_router == "predictor")
+        losses.append(_bce_by_hand(z, r.target))
+    expected_aux = torch.stack(losses).mean()
+    torch.testing.assert_close(out.aux_loss.double(), expected_aux, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_is_lm_plus_weighted_aux():
+    model = make_model(aux_loss_weight=0.37, dtype=torch.float32)
+    idx, targets = tokens(seed=1), tokens(seed=2)
+    targets[0, :5] = -100
+    targets[2, -3:] = -100
+    out = model(idx, targets=targets)
+    logits = out.logits.double()
+    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    keep = targets != -100
+    nll = -logp[keep].gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out.lm_loss.double(), nll.mean(), rtol=1e-5, atol=1e-6)
+    assert out.aux_loss > 0
+    torch.testing.assert_close(out.loss, out.lm_loss + 0.37 * out.aux_loss)
+    no_targets = model(idx)
+    assert no_targets.loss is None and no_targets.lm_loss is None
+    assert torch.equal(no_targets.aux_loss, out.aux_loss)
+
+
+def test_dense_model_has_zero_aux_loss():
+    model = make_model(layer_pattern="D", dtype=torch.float32)
+    idx = tokens()
+    out = model(idx, targets=idx)
+    assert out.aux_loss == 0 and out.routes == []
+    assert torch.equal(out.loss, out.lm_loss)
+
+
+# -- inputs, batching, structure ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "idx, routing, needle",
+    [
+        (torch.tensor([[1, 2, -1]]), "topk", "-1"),
+        (torch.tensor([[1, V, 2]]), "topk", str(V)),
+        (torch.tensor([[1, 2, V + 7]]), "causal", str(V + 7)),
+        (torch.zeros(1, 129, dtype=torch.long), "topk", "129"),
+        (torch.zeros(1, 4), "topk", "float32"),
+        (torch.zeros(1, 4, dtype=torch.bool), "topk", "bool"),
+        (torch.zeros(4, dtype=torch.long), "topk", "(4,)"),
+        (torch.zeros(2, 3, 4, dtype=torch.long), "topk", "(2, 3, 4)"),
+        (torch.zeros(1, 4, dtype=torch.long), "top-k", "'top-k'"),
+        (torch.zeros(1, 4, dtype=torch.long), "dense", "'dense'"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_value(idx, routing, needle):
+    model = make_model(dtype=torch.float32)
+    with pytest.raises(ValueError) as err:
+        model(idx, routing=routing)
+    assert needle in str(err.value)
+
+
+def test_bad_targets_shape_raises():
+    model = make_model(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"\(1, 5\)"):
+        model(torch.zeros(1, 4, dtype=torch.long), targets=torch.zeros(1, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_rows_are_independent(routing, mode):
+    model = make_model(routing=mode, causal_router="predictor")
+    idx = tokens(4, T, seed=6)
+    out = model(idx, routing=routing)
+    for b in range(idx.shape[0]):
+        alone = model(idx[b : b + 1], routing=routing)
+        torch.testing.assert_close(alone.logits[0], out.logits[b], **STRICT)
+        for r, ra in zip(out.routes, alone.routes, strict=True):
+            assert torch.equal(ra.mask[0], r.mask[b]) and torch.equal(ra.target[0], r.target[b])
+
+
+@pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
+@pytest.mark.parametrize("mode", ["joint", "staggered"])
+def test_routers_and_predictors_are_found_by_name(mode, causal_router):
+    model = make_model(routing=mode, causal_router=causal_router, layer_pattern="DR")
+    kinds = ["block"] if mode == "joint" else ["attn", "mlp"]
+    names = {n for n, _ in model.named_modules()}
+    want = {f"blocks.{i}.router.{k}" for i in (1, 3) for k in kinds}
+    assert {n for n in names if ".router." in n} == want
+    want_pred = {f"blocks.{i}.predictor.{k}" for i in (1, 3) for k in kinds}
+    preds = {n for n in names if ".predictor." in n and n.count(".") == 3}
+    assert preds == (want_pred if causal_router == "predictor" else set())
+
+
+def test_forward_leaves_no_state_on_the_modules():
+    model = make_model(dtype=torch.float32)
+    before = {n: set(vars(m)) for n, m in model.named_modules()}
+    model(tokens(), targets=tokens(seed=1))
+    model(tokens(), routing="causal")
+    assert {n: set(vars(m)) for n, m in model.named_modules()} == before

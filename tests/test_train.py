@@ -1,0 +1,220 @@
+"""Trainer, checkpoints and the `mod` command, on a tiny model and a tiny temporary corpus."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixture_of_depths import MoDConfig, MoDTransformer
+from mixture_of_depths.checkpoint import load_model, save_checkpoint
+from mixture_of_depths.cli import main
+from mixture_of_depths.data import ByteTokenizer
+from mixture_of_depths.train import TrainConfig, lr_at, train
+
+TINY = dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=32, predictor_hidden=8)
+
+
+@pytest.fixture()
+def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MOD_CACHE_DIR", str(tmp_path / "cache"))
+    d = tmp_path / "corpus"
+    d.mkdir()
+    rng = torch.Generator().manual_seed(0)
+    words = "def return self import class for in if else x y ( )".split()
+    for i in range(12):
+        idx = torch.randint(0, len(words), (400,), generator=rng).tolist()
+        (d / f"f{i:02d}.py").write_text(" ".join(words[j] for j in idx) + "\n")
+    return d
+
+
+def tc(corpus: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(
+        out=str(out),
+        data=str(corpus),
+        batch_size=4,
+        steps=6,
+        eval_every=3,
+        eval_batches=2,
+        log_every=1,
+        warmup_steps=2,
+        lr=3e-3,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
+def test_resume_reproduces_uninterrupted_run(corpus: Path, tmp_path: Path, causal_router: str):
+    cfg = MoDConfig(**TINY, causal_router=causal_router)
+    full = tmp_path / "full"
+    train(cfg, tc(corpus, full), progress=False)
+    first = tmp_path / "first"
+    stopped = tc(corpus, first, steps=6, eval_every=3)
+    _train_until(cfg, stopped, stop_at=3)  # dies right after the step-3 checkpoint
+    train(None, stopped, resume=True, progress=False)
+    want, got = losses(full), losses(first)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        assert got[step] == want[step], (step, got[step], want[step])  # bit-exact on CPU
+    m_full, _ = load_model(full / "checkpoint")
+    m_res, _ = load_model(first / "checkpoint")
+    for (n, a), (_, b) in zip(m_full.state_dict().items(), m_res.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def _train_until(cfg: MoDConfig, t: TrainConfig, stop_at: int) -> None:
+    """Run `t` but die right after the checkpoint at `stop_at` (as a crash would)."""
+    import mixture_of_depths.train as tr
+
+    real = tr.save_checkpoint
+
+    class Stop(Exception):
+        pass
+
+    def save_then_stop(*a, **kw):
+        real(*a, **kw)
+        if kw["trainer_state"]["step"] >= stop_at:
+            raise Stop
+
+    tr.save_checkpoint = save_then_stop
+    try:
+        with pytest.raises(Stop):
+            train(cfg, t, progress=False)
+    finally:
+        tr.save_checkpoint = real
+
+
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path: Path):
+    for tie in (True, False):
+        cfg = MoDConfig(**TINY, tie_embeddings=tie, routing="staggered", causal_router="predictor")
+        torch.manual_seed(1)
+        model = MoDTransformer(cfg)
+        d = save_checkpoint(tmp_path / f"ck{tie}", model, cfg, tokenizer=ByteTokenizer())
+        loaded, cfg2 = load_model(d)
+        assert cfg2 == cfg
+        x = torch.randint(0, cfg.vocab_size, (3, 20))
+        for routing in ("topk", "causal"):
+            assert torch.equal(model(x, routing=routing).logits, loaded(x, routing=routing).logits)
+        assert loaded.lm_head.weight is loaded.embed.weight or not tie
+
+
+def test_checkpoint_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    cfg = MoDConfig(**TINY)
+    model = MoDTransformer(cfg)
+    d = save_checkpoint(tmp_path / "ck", model, cfg)
+    before = (d / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)
+
+    def boom(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("mixture_of_depths.checkpoint.write_json", boom)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path / "ck", model, cfg)
+    assert (d / "model.safetensors").read_bytes() == before  # old checkpoint intact
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temp directory left behind
+
+
+def test_lr_schedule_warmup_then_cosine():
+    t = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    lrs = [lr_at(s, t) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))  # monotone decay
+    assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)))
+
+
+def test_gradient_clipping_happens_before_the_step(corpus: Path, tmp_path: Path, monkeypatch):
+    """With a tiny clip norm the logged (pre-clip) norm is large but the update is bounded."""
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *a, **kw):
+        total = torch.sqrt(
+            sum(
+                p.grad.pow(2).sum()
+                for g in self.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            )
+        )
+        seen.append(total.item())
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    train(MoDConfig(**TINY), tc(corpus, tmp_path / "o", steps=3, grad_clip=1e-3), progress=False)
+    assert seen and all(n <= 1e-3 * 1.0001 for n in seen)
+
+
+def test_train_errors_are_clear(corpus: Path, tmp_path: Path):
+    with pytest.raises(ValueError, match="seq_len 64 exceeds"):
+        train(MoDConfig(**TINY), tc(corpus, tmp_path / "o", seq_len=64), progress=False)
+    with pytest.raises(ValueError, match="tokenizer"):
+        TrainConfig(tokenizer="words")
+    with pytest.raises(FileNotFoundError):
+        train(None, tc(corpus, tmp_path / "nothing"), resume=True, progress=False)
+
+
+def test_cli_train_eval_resume_smoke(corpus: Path, tmp_path: Path, capsys):
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--d-model",
+        "32",
+        "--n-heads",
+        "2",
+        "--max-seq-len",
+        "32",
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--batch-size",
+        "2",
+        "--no-progress",
+        "--json",
+    ]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and set(summary["routing_accuracy"]) == {"1", "3"}
+    assert (out / "checkpoint" / "model.safetensors").exists() and (out / "loss.png").exists()
+    assert main(["eval", str(out / "checkpoint"), "--batches", "1", "--batch-size", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "validation loss" in text and "routing accuracy layer 1" in text
+    assert main(["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"]) == 0
+    assert max(losses(out)) == 6
+    assert main(["presets"]) == 0 and "small-dense" in capsys.readouterr().out
+
+
+def test_cli_bad_config_is_a_clear_error(capsys, tmp_path: Path):
+    assert main(["train", "--capacity", "1.5", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "capacity must be in (0, 1], got 1.5" in err
+    assert main(["train", "--layer-pattern", "DX", "--out", str(tmp_path / "x")]) == 2
+    assert "'X'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
+def test_checkpoint_files_are_world_readable_like_open(tmp_path: Path):
+    cfg = MoDConfig(**TINY)
+    d = save_checkpoint(tmp_path / "ck", MoDTransformer(cfg), cfg)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (d / "config.json").stat().st_mode & 0o777 == 0o666 & ~mask
