@@ -51,7 +51,7 @@ class MoDConfig:
     routing: str = "joint"
     router_gate: str = "sigmoid"
     causal_router: str = "aux_loss"
-    aux_loss_weight: float = 0.01
+    aux_loss_weight: float = 0.1
     predictor_hidden: int = 64
     tie_embeddings: bool = True
     rope_theta: float = 10000.0

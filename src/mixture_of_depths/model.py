@@ -13,6 +13,7 @@ Names with shape suffixes: B batch, T full sequence, K routed subset, D model wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,9 @@ from torch import Tensor, nn
 from .config import MoDConfig
 
 ROUTING_CHOICES = ("topk", "causal")
+
+# Generation's hook into attention: (new k, new v, mask) -> (keys, values, mask) to attend to.
+KVHook = Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor, Tensor | None]] | None
 
 
 @dataclass
@@ -124,8 +128,13 @@ class Attention(nn.Module):
         B, _, K, _ = q.shape
         return self.wo(y.transpose(1, 2).reshape(B, K, self.n_heads * self.head_dim))
 
-    def forward(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None) -> Tensor:
-        return self.attend(*self.qkv(x_BKD, cos, sin), attn_mask)
+    def forward(
+        self, x_BKD: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, kv: KVHook = None
+    ) -> Tensor:
+        q, k, v = self.qkv(x_BKD, cos, sin)
+        if kv is not None:  # generation: store the new keys/values, attend to what the cache holds
+            k, v, attn_mask = kv(k, v, attn_mask)
+        return self.attend(q, k, v, attn_mask)
 
 
 class MLP(nn.Module):
@@ -205,16 +214,31 @@ class Block(nn.Module):
                     }
                 )
 
-    # Updates f(x~) of the sub-blocks; the outer residual is added by the caller.
-    def attn_update(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        return self.attn(self.attn_norm(x_BKD), cos, sin, mask)
+    def update(
+        self,
+        kind: str,
+        x_BKD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        kv: KVHook = None,
+    ) -> Tensor:
+        """The update f(x~) of sub-block `kind` ("block", "attn" or "mlp"); the outer residual is
+        added by the caller. For the whole block, f = a + mlp(mlp_norm(x~ + a))."""
+        if kind == "mlp":
+            return self.mlp(self.mlp_norm(x_BKD))
+        a_BKD = self.attn(self.attn_norm(x_BKD), cos, sin, mask, kv)
+        if kind == "attn":
+            return a_BKD
+        return a_BKD + self.mlp(self.mlp_norm(x_BKD + a_BKD))
 
-    def mlp_update(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        return self.mlp(self.mlp_norm(x_BKD))
-
-    def block_update(self, x_BKD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        a_BKD = self.attn_update(x_BKD, cos, sin, mask)
-        return a_BKD + self.mlp_update(x_BKD + a_BKD, cos, sin, mask)
+    def router_logits(self, kind: str, x_BTD: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Raw router weights r (B, T) and, in predictor mode, the predictor's logits."""
+        r_BT = self.router[kind](x_BTD).squeeze(-1)
+        if self.cfg.causal_router != "predictor":
+            return r_BT, None
+        # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
+        return r_BT, self.predictor[kind](x_BTD.detach())
 
     def gate(self, r: Tensor) -> Tensor:
         return torch.sigmoid(r) if self.cfg.router_gate == "sigmoid" else r
@@ -223,24 +247,21 @@ class Block(nn.Module):
         self, x_BTD: Tensor, cos_T: Tensor, sin_T: Tensor, routing: str
     ) -> tuple[Tensor, list[Route]]:
         if not self.routed:
-            return x_BTD + self.block_update(x_BTD, cos_T, sin_T, None), []
-        if self.cfg.routing == "joint":
-            x_BTD, route = self.route(x_BTD, "block", self.block_update, cos_T, sin_T, routing)
-            return x_BTD, [route]
-        x_BTD, attn_route = self.route(x_BTD, "attn", self.attn_update, cos_T, sin_T, routing)
-        x_BTD, mlp_route = self.route(x_BTD, "mlp", self.mlp_update, cos_T, sin_T, routing)
-        return x_BTD, [attn_route, mlp_route]
+            return x_BTD + self.update("block", x_BTD, cos_T, sin_T, None), []
+        routes = []
+        for kind in self.route_kinds:  # ("block",) joint, or ("attn", "mlp") staggered
+            x_BTD, route = self.route(kind, x_BTD, cos_T, sin_T, routing)
+            routes.append(route)
+        return x_BTD, routes
 
-    def route(self, x_BTD, kind, update, cos_T, sin_T, routing) -> tuple[Tensor, Route]:  # noqa: ANN001
+    def route(
+        self, kind: str, x_BTD: Tensor, cos_T: Tensor, sin_T: Tensor, routing: str
+    ) -> tuple[Tensor, Route]:
         B, T, D = x_BTD.shape
-        r_BT = self.router[kind](x_BTD).squeeze(-1)
+        r_BT, pred_BT = self.router_logits(kind, x_BTD)
         k = self.cfg.capacity_tokens(T)
         idx_BK = topk_indices(r_BT, k)
         topk_BT = positions_mask(idx_BK, T)
-        pred_BT = None
-        if self.cfg.causal_router == "predictor":
-            # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
-            pred_BT = self.predictor[kind](x_BTD.detach())
         if routing == "topk":
             mask_BT = topk_BT
             if k > 0:
@@ -249,12 +270,12 @@ class Block(nn.Module):
                 # Original positions: rotary tables indexed by the chosen tokens' positions.
                 cos_BK, sin_BK = cos_T[idx_BK].unsqueeze(1), sin_T[idx_BK].unsqueeze(1)
                 # idx sorted ascending, so a plain causal mask over K is causal in the sequence.
-                f_BKD = update(x_BKD, cos_BK, sin_BK, None)
+                f_BKD = self.update(kind, x_BKD, cos_BK, sin_BK, None)
                 g_BK1 = self.gate(r_BT.gather(1, idx_BK)).unsqueeze(-1)
                 x_BTD = x_BTD.scatter(1, gidx_BKD, x_BKD + g_BK1 * f_BKD)
         else:
             mask_BT = (r_BT if pred_BT is None else pred_BT) > 0
-            f_BTD = update(x_BTD, cos_T, sin_T, causal_attention_mask(mask_BT))
+            f_BTD = self.update(kind, x_BTD, cos_T, sin_T, causal_attention_mask(mask_BT))
             x_BTD = torch.where(
                 mask_BT.unsqueeze(-1), x_BTD + self.gate(r_BT).unsqueeze(-1) * f_BTD, x_BTD
             )

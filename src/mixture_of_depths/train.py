@@ -48,7 +48,7 @@ class TrainConfig:
     bpe_vocab_size: int = 4096
     batch_size: int = 16
     seq_len: int | None = None  # None: the model's max_seq_len
-    steps: int = 1000
+    steps: int = 800
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -56,7 +56,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    eval_every: int = 250
+    eval_every: int = 200
     eval_batches: int = 8
     log_every: int = 10
     seed: int = 0

@@ -1,0 +1,141 @@
+"""`KVCache`: keys and values per layer and per row, holding only the tokens that took each layer.
+
+Layout: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l, head_dim) and
+``lengths[l, b]`` says how many slots of row b are filled. Slots are filled left to right with no
+holes: a routed layer appends a token only if the token took that layer (its attention sub-block,
+in staggered routing), so ``lengths[l, b]`` is the number of such tokens and slot j holds the j-th
+of them. Keys are stored
+already rotated at the token's original position. Attention reads slots ``< lengths[l, b]`` only, so
+a slot that was never written is never attended.
+
+Growth: dense layers are allocated for the whole generation up front. Routed layers start at a
+fraction of that (``capacity`` plus headroom) and double, up to the full size, when a row fills its
+buffer; in causal routing a layer may take more tokens than its capacity, and nothing is dropped.
+Writing past `max_len` (the full size) raises an error; `generate` sizes the cache so it cannot.
+
+Lengths are kept on the host: the decode loop already knows on the host which rows take a layer,
+so no device-to-host copy is needed to read or check them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .config import MoDConfig
+
+_MIN_SLOTS = 16
+
+
+class KVCache:
+    """Per-layer, per-row key/value cache for causal MoD decoding."""
+
+    def __init__(
+        self,
+        config: MoDConfig,
+        batch_size: int,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        grow: bool = True,
+    ) -> None:
+        max_len = config.max_seq_len if max_len is None else max_len
+        if not 1 <= max_len <= config.max_seq_len:
+            raise ValueError(
+                f"max_len must be in [1, max_seq_len={config.max_seq_len}], got {max_len}"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.config, self.batch_size, self.max_len = config, batch_size, max_len
+        self.device, self.dtype = torch.device(device or "cpu"), dtype
+        shape = (batch_size, config.n_kv_heads, 0, config.head_dim)
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        for kind in config.layer_kinds:
+            slots = max_len
+            if grow and kind == "R":
+                slots = min(max_len, max(_MIN_SLOTS, math.ceil(1.5 * config.capacity * max_len)))
+            size = (*shape[:2], slots, shape[3])
+            self.k.append(torch.zeros(size, device=self.device, dtype=dtype))
+            self.v.append(torch.zeros(size, device=self.device, dtype=dtype))
+        self._lengths = torch.zeros(config.n_layers, batch_size, dtype=torch.long)
+
+    # -- what is held ---------------------------------------------------------------------------
+    @property
+    def lengths(self) -> Tensor:
+        """(n_layers, batch) filled slots: the tokens each layer has cached for each row."""
+        return self._lengths.clone()
+
+    def slots(self, layer: int) -> int:
+        return self.k[layer].shape[2]
+
+    @property
+    def _bytes_per_slot(self) -> int:
+        # keys and values, all kv heads, one token of one row
+        return 2 * self.config.n_kv_heads * self.config.head_dim * self.k[0].element_size()
+
+    @property
+    def nbytes_used(self) -> int:
+        """Bytes of the slots holding entries (keys and values)."""
+        return int(self._lengths.sum()) * self._bytes_per_slot
+
+    @property
+    def nbytes_allocated(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    # -- writing --------------------------------------------------------------------------------
+    def _ensure(self, layer: int, needed: int) -> None:
+        """Grow layer `layer` (doubling, at most `max_len`) until it has `needed` slots."""
+        have = self.slots(layer)
+        if needed <= have:
+            return
+        if needed > self.max_len:
+            raise RuntimeError(
+                f"KV cache layer {layer} is full: {needed} slots needed, max_len={self.max_len}"
+            )
+        new = min(self.max_len, max(needed, 2 * have))
+        for store in (self.k, self.v):
+            old = store[layer]
+            grown = old.new_zeros(*old.shape[:2], new, old.shape[3])
+            grown[:, :, :have] = old
+            store[layer] = grown
+
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor) -> None:
+        """Store, for each row, the keys/values of the prompt tokens with ``take_BT`` set, in order.
+
+        `k`, `v`: (B, n_kv_heads, T, head_dim) for the whole padded prompt. The cache must be empty.
+        """
+        B, _, T, _ = k.shape
+        counts = take_BT.sum(1).cpu()
+        self._ensure(layer, int(counts.max()) if B else 0)
+        # A stable sort on "skipped" moves each row's taken tokens to the front, in order.
+        order_BT = torch.sort((~take_BT).to(torch.int8), dim=1, stable=True).indices
+        idx = order_BT[:, None, :, None].expand(B, k.shape[1], T, k.shape[3])
+        n = min(T, self.slots(layer))
+        self.k[layer][:, :, :n] = k.gather(2, idx)[:, :, :n].to(self.dtype)
+        self.v[layer][:, :, :n] = v.gather(2, idx)[:, :, :n].to(self.dtype)
+        self._lengths[layer] = counts
+
+    def append(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Append one key/value (n, n_kv_heads, 1, head_dim) to each of `rows` (host ids)."""
+        pos = self._lengths[layer, rows]
+        self._ensure(layer, int(pos.max()) + 1)
+        dev_rows, dev_pos = rows.to(self.device), pos.to(self.device)
+        self.k[layer][dev_rows, :, dev_pos] = k[:, :, 0].to(self.dtype)
+        self.v[layer][dev_rows, :, dev_pos] = v[:, :, 0].to(self.dtype)
+        self._lengths[layer, rows] += 1
+
+    # -- reading --------------------------------------------------------------------------------
+    def read(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values and a validity mask (n, 1, 1, S) for `rows` (host ids), S = longest row."""
+        lens = self._lengths[layer, rows]
+        S = int(lens.max())
+        if rows.numel() == self.batch_size and torch.equal(rows, torch.arange(self.batch_size)):
+            k, v = self.k[layer][:, :, :S], self.v[layer][:, :, :S]  # no gather for all rows
+        else:
+            dev_rows = rows.to(self.device)
+            k, v = self.k[layer][dev_rows, :, :S], self.v[layer][dev_rows, :, :S]
+        valid = torch.arange(S, device=self.device)[None, :] < lens.to(self.device)[:, None]
+        return k, v, valid[:, None, None, :]

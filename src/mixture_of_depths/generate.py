@@ -1,0 +1,460 @@
+"""Causal sampling from MoD models with a KV cache that holds only the tokens that took each block.
+
+Top-k routing reads the whole sequence, so it cannot decide for a token that has not been seen
+yet. Generation therefore uses the causal decision (DESIGN.md section 1): a token takes a routed
+block iff its router logit (``aux_loss`` mode) or its predictor logit (``predictor`` mode) is > 0.
+Prefill in ``"causal"`` mode makes exactly the decisions decoding makes, so cached generation
+equals running the full causal forward again at every step (`generate_reference`, the slow path
+the tests compare against). ``prefill="topk"`` routes the prompt with the paper's top-k over the
+prompt instead: the cache then holds what top-k chose, which decoding would not have chosen, so it
+is an approximation.
+
+A decode step gathers, for each routed (sub-)block, the rows whose new token takes it, and runs
+the block on those rows only; rows that skip do no work there and add nothing to that layer's
+cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache
+from .config import capacity_tokens
+from .model import KVHook, MoDTransformer, causal_attention_mask, rope_tables
+
+PREFILL_MODES = ("causal", "topk")
+
+
+@dataclass
+class GenerationStep:
+    """One sampled token for each row still generating."""
+
+    rows: list[int]
+    tokens: list[int]
+    logits: Tensor | None = None  # (len(rows), vocab): what each token was sampled from
+
+
+@dataclass
+class GenerationOutput:
+    """`tokens[b]`: the new tokens of row b (a final EOS included).
+
+    `routing[b]` (with ``return_routing``): bool (prompt_len + len(tokens[b]), n_routers), which
+    routers each token took, in the order of `router_names`; a final EOS is never fed back, so its
+    row is all False. `logits[b]` (with ``return_logits``): (len(tokens[b]), vocab).
+    """
+
+    tokens: list[list[int]]
+    router_names: list[str] = field(default_factory=list)
+    routing: list[Tensor] | None = None
+    logits: list[Tensor] | None = None
+
+
+def router_names(model: MoDTransformer) -> list[str]:
+    return [
+        str(b.layer) if kind == "block" else f"{b.layer}.{kind}"
+        for b in model.blocks
+        if b.routed
+        for kind in b.route_kinds
+    ]
+
+
+# -- input checks ---------------------------------------------------------------------------------
+def _prompt_batch(
+    model: MoDTransformer,
+    prompts: Tensor | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """Right-padded (B, T) ids on `device` and host prompt lengths (B,)."""
+    if isinstance(prompts, Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(
+                f"a prompt tensor must be (batch, seq_len), got {tuple(prompts.shape)}"
+            )
+        rows = prompts.tolist()
+    else:
+        rows = [list(p) for p in prompts]
+    if not rows:
+        raise ValueError("prompts is empty: give at least one prompt")
+    cfg = model.config
+    for b, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {b} is empty: each prompt needs at least one token")
+        bad = [t for t in row if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {b} has token id {bad[0]} out of range [0, vocab_size={cfg.vocab_size})"
+            )
+        if len(row) + max_new_tokens > cfg.max_seq_len:
+            raise ValueError(
+                f"prompt {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} that is "
+                f"{len(row) + max_new_tokens} positions, more than max_seq_len={cfg.max_seq_len}. "
+                "Shorten the prompt or ask for fewer tokens."
+            )
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    T = int(lens.max())
+    idx = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        idx[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return idx.to(device), lens
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token per row from logits (n, vocab): greedy at temperature 0, else top-k/top-p."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+# -- the cached forward ---------------------------------------------------------------------------
+def _store_prompt(cache: KVCache, layer: int, take_BT: Tensor) -> KVHook:
+    def hook(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        cache.write_prefill(layer, k, v, take_BT)
+        return k, v, mask  # the prompt attends within itself, as in the full forward
+
+    return hook
+
+
+def _append_and_read(cache: KVCache, layer: int, rows: Tensor) -> KVHook:
+    def hook(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        cache.append(layer, rows, k, v)
+        return cache.read(layer, rows)
+
+    return hook
+
+
+def _topk_take(r_BT: Tensor, lens: Tensor, capacity: float) -> Tensor:
+    """The paper's top-k over each row's prompt: capacity_tokens(capacity, len) tokens per row."""
+    B, T = r_BT.shape
+    valid = torch.arange(T, device=r_BT.device)[None, :] < lens.to(r_BT.device)[:, None]
+    k_B = torch.tensor([capacity_tokens(capacity, int(n)) for n in lens], device=r_BT.device)
+    order = torch.sort(r_BT.masked_fill(~valid, float("-inf")), 1, descending=True, stable=True)
+    rank = torch.empty_like(order.indices).scatter_(
+        1, order.indices, torch.arange(T, device=r_BT.device).expand(B, T)
+    )
+    return rank < k_B[:, None]
+
+
+@torch.no_grad()
+def prefill(
+    model: MoDTransformer, idx_BT: Tensor, lens: Tensor, cache: KVCache, mode: str = "causal"
+) -> tuple[Tensor, Tensor]:
+    """Run right-padded prompts (B, T) with host lengths `lens`, filling `cache`.
+
+    Returns the logits at each row's last prompt token (B, vocab) and the routing decisions
+    (B, T, n_routers) as a host bool tensor.
+    """
+    B, T = idx_BT.shape
+    device = idx_BT.device
+    valid_BT = torch.arange(T, device=device)[None, :] < lens.to(device)[:, None]
+    x_BTD = model.embed(idx_BT)
+    cos_T, sin_T = rope_tables(
+        model.config.head_dim,
+        T,
+        model.config.rope_theta,
+        device,
+        torch.promote_types(x_BTD.dtype, torch.float32),
+    )
+    decisions = []
+    for block in model.blocks:
+        if not block.routed:
+            kv = _store_prompt(cache, block.layer, valid_BT)
+            x_BTD = x_BTD + block.update("block", x_BTD, cos_T, sin_T, None, kv)
+            continue
+        for kind in block.route_kinds:
+            r_BT, pred_BT = block.router_logits(kind, x_BTD)
+            if mode == "causal":
+                take_BT = ((r_BT if pred_BT is None else pred_BT) > 0) & valid_BT
+            else:
+                take_BT = _topk_take(r_BT, lens, model.config.capacity)
+            kv = None if kind == "mlp" else _store_prompt(cache, block.layer, take_BT)
+            f_BTD = block.update(kind, x_BTD, cos_T, sin_T, causal_attention_mask(take_BT), kv)
+            x_BTD = torch.where(
+                take_BT.unsqueeze(-1), x_BTD + block.gate(r_BT).unsqueeze(-1) * f_BTD, x_BTD
+            )
+            decisions.append(take_BT)
+    last_BD = x_BTD[torch.arange(B, device=device), lens.to(device) - 1]
+    logits = model.lm_head(model.norm(last_BD))
+    routing = (
+        torch.stack(decisions, -1).cpu() if decisions else torch.zeros(B, T, 0, dtype=torch.bool)
+    )
+    return logits, routing
+
+
+@torch.no_grad()
+def decode_step(
+    model: MoDTransformer,
+    tokens: Tensor,
+    rows: Tensor,
+    positions: Tensor,
+    cache: KVCache,
+    cos_S: Tensor,
+    sin_S: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Feed one token for each of `rows` (host ids) at `positions` (host); returns logits (n, V)
+    and the routing decisions (n, n_routers) on the host.
+
+    A routed (sub-)block runs only on the rows whose token takes it: those rows are gathered, run
+    and scattered back, and only they append to that layer's cache.
+    """
+    device = cache.device
+    x_N1D = model.embed(tokens.to(device)).unsqueeze(1)
+    pos = positions.to(device)
+    cos_N, sin_N = cos_S[pos][:, None, None, :], sin_S[pos][:, None, None, :]
+    decisions = []
+    for block in model.blocks:
+        if not block.routed:
+            kv = _append_and_read(cache, block.layer, rows)
+            x_N1D = x_N1D + block.update("block", x_N1D, cos_N, sin_N, None, kv)
+            continue
+        for kind in block.route_kinds:
+            r_N1, pred_N1 = block.router_logits(kind, x_N1D)
+            take = ((r_N1 if pred_N1 is None else pred_N1)[:, 0] > 0).cpu()  # one sync per router
+            decisions.append(take)
+            sel = take.nonzero().squeeze(1)
+            if sel.numel() == 0:
+                continue
+            sel_d = sel.to(device)
+            x_M1D = x_N1D[sel_d]
+            kv = None if kind == "mlp" else _append_and_read(cache, block.layer, rows[sel])
+            f_M1D = block.update(kind, x_M1D, cos_N[sel_d], sin_N[sel_d], None, kv)
+            g_M11 = block.gate(r_N1[sel_d]).unsqueeze(-1)
+            x_N1D = x_N1D.index_copy(0, sel_d, x_M1D + g_M11 * f_M1D)
+    logits = model.lm_head(model.norm(x_N1D[:, 0]))
+    routing = (
+        torch.stack(decisions, -1) if decisions else torch.zeros(len(rows), 0, dtype=torch.bool)
+    )
+    return logits, routing
+
+
+# -- the loop -------------------------------------------------------------------------------------
+class _Generation:
+    """State of one batched generation; `steps()` yields a `GenerationStep` per sampled token."""
+
+    def __init__(
+        self,
+        model: MoDTransformer,
+        prompts: Tensor | Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        eos_id: int | None,
+        seed: int | None,
+        prefill_mode: str,
+        feed_last: bool,
+    ) -> None:
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        _check_sampling(temperature, top_k, top_p)
+        self.model, self.max_new_tokens, self.eos_id = model, max_new_tokens, eos_id
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.feed_last, self.prefill_mode = feed_last, prefill_mode
+        param = next(model.parameters())
+        self.device = param.device
+        self.idx, self.lens = _prompt_batch(model, prompts, max_new_tokens, self.device)
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        cfg = model.config
+        total = int(self.lens.max()) + max_new_tokens
+        self.cache = KVCache(cfg, len(self.lens), total, self.device, param.dtype)
+        self.cos_S, self.sin_S = rope_tables(
+            cfg.head_dim,
+            total,
+            cfg.rope_theta,
+            self.device,
+            torch.promote_types(param.dtype, torch.float32),
+        )
+        self.prompt_routing: Tensor | None = None
+        self.token_routing: dict[int, list[Tensor]] = {b: [] for b in range(len(self.lens))}
+
+    @torch.no_grad()
+    def steps(self) -> Iterator[GenerationStep]:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            logits, self.prompt_routing = prefill(
+                model, self.idx, self.lens, self.cache, self.prefill_mode
+            )
+            rows = torch.arange(len(self.lens))
+            positions = self.lens.clone()
+            for step in range(self.max_new_tokens):
+                tokens = sample_next(logits, generator=self.generator, **self.sampling)
+                host = tokens.cpu()
+                yield GenerationStep(rows.tolist(), host.tolist(), logits)
+                keep = torch.ones(len(rows), dtype=torch.bool)
+                if self.eos_id is not None:
+                    keep = host != self.eos_id
+                last = step == self.max_new_tokens - 1
+                if not keep.any() or (last and not self.feed_last):
+                    return
+                rows, host, positions = rows[keep], host[keep], positions[keep]
+                logits, routing = decode_step(
+                    model, host, rows, positions, self.cache, self.cos_S, self.sin_S
+                )
+                for i, b in enumerate(rows.tolist()):
+                    self.token_routing[b].append(routing[i])
+                positions = positions + 1
+                if last:
+                    return
+        finally:
+            model.train(was_training)
+
+
+def stream(
+    model: MoDTransformer,
+    prompts: Tensor | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    seed: int | None = None,
+    prefill: str = "causal",
+) -> Iterator[GenerationStep]:
+    """Like `generate`, but yields each step's tokens as soon as they are sampled."""
+    gen = _Generation(
+        model,
+        prompts,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        eos_id,
+        seed,
+        prefill,
+        feed_last=False,
+    )
+    yield from gen.steps()
+
+
+def generate(
+    model: MoDTransformer,
+    prompts: Tensor | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    seed: int | None = None,
+    prefill: str = "causal",
+    return_routing: bool = False,
+    return_logits: bool = False,
+) -> GenerationOutput:
+    """Sample `max_new_tokens` per row (fewer where a row samples `eos_id`), causally, with a KV
+    cache that holds only the tokens that took each layer.
+
+    `prompts`: a (B, T) tensor or a list of token lists of any lengths. `temperature=0` is greedy.
+    `seed` makes sampling reproducible. `prefill`: "causal" (exact: the decisions decoding would
+    make) or "topk" (the paper's top-k over the prompt; an approximation). Prompt length plus
+    `max_new_tokens` must fit in the model's `max_seq_len`, else ValueError (nothing is truncated).
+    """
+    gen = _Generation(
+        model,
+        prompts,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        eos_id,
+        seed,
+        prefill,
+        feed_last=return_routing,
+    )
+    B = len(gen.lens)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logits: list[list[Tensor]] = [[] for _ in range(B)]
+    for st in gen.steps():
+        for i, (b, t) in enumerate(zip(st.rows, st.tokens, strict=True)):
+            tokens[b].append(t)
+            if return_logits:
+                logits[b].append(st.logits[i].float().cpu())
+    out = GenerationOutput(tokens=tokens, router_names=router_names(model))
+    if return_logits:
+        V = model.config.vocab_size
+        out.logits = [torch.stack(rows) if rows else torch.zeros(0, V) for rows in logits]
+    if return_routing:
+        n_r = len(out.router_names)
+        out.routing = []
+        for b in range(B):
+            prompt = gen.prompt_routing[b, : int(gen.lens[b])]
+            fed = gen.token_routing[b]
+            new = torch.stack(fed) if fed else torch.zeros(0, n_r, dtype=torch.bool)
+            pad = torch.zeros(len(tokens[b]) - len(new), n_r, dtype=torch.bool)  # unfed EOS
+            out.routing.append(torch.cat([prompt, new, pad]))
+    return out
+
+
+@torch.no_grad()
+def generate_reference(
+    model: MoDTransformer,
+    prompts: Tensor | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_id: int | None = None,
+) -> GenerationOutput:
+    """Slow greedy generation without a cache: the full causal forward again at every step, row
+    by row. The oracle that cached generation must equal; returns tokens, logits and routing."""
+    idx, lens = _prompt_batch(model, prompts, max_new_tokens, next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    out = GenerationOutput(tokens=[], router_names=router_names(model), routing=[], logits=[])
+    try:
+        for b in range(len(lens)):
+            seq = idx[b : b + 1, : int(lens[b])]
+            new, step_logits = [], []
+            for _ in range(max_new_tokens):
+                logits = model(seq, routing="causal").logits[0, -1]
+                tok = int(logits.argmax())
+                new.append(tok)
+                step_logits.append(logits.float().cpu())
+                if tok == eos_id:
+                    break
+                seq = torch.cat([seq, seq.new_tensor([[tok]])], dim=1)
+            routes = model(seq, routing="causal").routes
+            routing = (
+                torch.stack([r.mask[0] for r in routes], -1).cpu()
+                if routes
+                else (torch.zeros(seq.shape[1], 0, dtype=torch.bool))
+            )
+            if len(new) and new[-1] == eos_id:  # a final EOS is never fed back
+                routing = torch.cat([routing, torch.zeros(1, routing.shape[1], dtype=torch.bool)])
+            out.tokens.append(new)
+            out.logits.append(torch.stack(step_logits) if step_logits else torch.zeros(0))
+            out.routing.append(routing)
+    finally:
+        model.train(was_training)
+    return out
