@@ -258,8 +258,14 @@ def decode_step(
 
 
 # -- the loop -------------------------------------------------------------------------------------
-class _Generation:
-    """State of one batched generation; `steps()` yields a `GenerationStep` per sampled token."""
+class Generation:
+    """One batched generation. `steps()` yields a `GenerationStep` per sampled token.
+
+    As it runs, `prompt_routing` (B, T, n_routers) holds the prompt's routing decisions (after the
+    first step) and `token_routing[b]` the decisions of each generated token fed back so far, so a
+    caller can show routing while streaming. `feed_last` also feeds the final token, for its
+    routing.
+    """
 
     def __init__(
         self,
@@ -347,7 +353,7 @@ def stream(
     prefill: str = "causal",
 ) -> Iterator[GenerationStep]:
     """Like `generate`, but yields each step's tokens as soon as they are sampled."""
-    gen = _Generation(
+    gen = Generation(
         model,
         prompts,
         max_new_tokens,
@@ -383,7 +389,7 @@ def generate(
     make) or "topk" (the paper's top-k over the prompt; an approximation). Prompt length plus
     `max_new_tokens` must fit in the model's `max_seq_len`, else ValueError (nothing is truncated).
     """
-    gen = _Generation(
+    gen = Generation(
         model,
         prompts,
         max_new_tokens,
