@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,6 +254,8 @@ def train(
         desc="train",
         unit="step",
         dynamic_ncols=True,
+        # In a log file (CI, nohup) a redraw every 0.1 s is noise: one line every 30 s instead.
+        mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
     window_t, window_tokens = time.perf_counter(), 0
     for step in range(start_step, tc.steps):
