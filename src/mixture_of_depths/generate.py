@@ -53,6 +53,10 @@ class GenerationOutput:
     logits: list[Tensor] | None = None
 
 
+def _out_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # bf16 logits come back as float32
+
+
 def router_names(model: MoDTransformer) -> list[str]:
     return [
         str(b.layer) if kind == "block" else f"{b.layer}.{kind}"
@@ -158,7 +162,7 @@ def _topk_take(r_BT: Tensor, lens: Tensor, capacity: float) -> Tensor:
     B, T = r_BT.shape
     valid = torch.arange(T, device=r_BT.device)[None, :] < lens.to(r_BT.device)[:, None]
     k_B = torch.tensor([capacity_tokens(capacity, int(n)) for n in lens], device=r_BT.device)
-    order = torch.sort(r_BT.masked_fill(~valid, float("-inf")), 1, descending=True, stable=True)
+    order = torch.sort(r_BT.masked_fill(~valid, float("-inf")), dim=1, descending=True, stable=True)
     rank = torch.empty_like(order.indices).scatter_(
         1, order.indices, torch.arange(T, device=r_BT.device).expand(B, T)
     )
@@ -352,7 +356,10 @@ def stream(
     seed: int | None = None,
     prefill: str = "causal",
 ) -> Iterator[GenerationStep]:
-    """Like `generate`, but yields each step's tokens as soon as they are sampled."""
+    """Like `generate`, but yields each step's tokens as soon as they are sampled.
+
+    Arguments are checked here, before the first step (this is not a generator function).
+    """
     gen = Generation(
         model,
         prompts,
@@ -365,7 +372,7 @@ def stream(
         prefill,
         feed_last=False,
     )
-    yield from gen.steps()
+    return gen.steps()
 
 
 def generate(
@@ -408,7 +415,7 @@ def generate(
         for i, (b, t) in enumerate(zip(st.rows, st.tokens, strict=True)):
             tokens[b].append(t)
             if return_logits:
-                logits[b].append(st.logits[i].float().cpu())
+                logits[b].append(st.logits[i].to(_out_dtype(st.logits)).cpu())
     out = GenerationOutput(tokens=tokens, router_names=router_names(model))
     if return_logits:
         V = model.config.vocab_size
@@ -446,7 +453,7 @@ def generate_reference(
                 logits = model(seq, routing="causal").logits[0, -1]
                 tok = int(logits.argmax())
                 new.append(tok)
-                step_logits.append(logits.float().cpu())
+                step_logits.append(logits.to(_out_dtype(logits)).cpu())
                 if tok == eos_id:
                     break
                 seq = torch.cat([seq, seq.new_tensor([[tok]])], dim=1)
@@ -459,7 +466,9 @@ def generate_reference(
             if len(new) and new[-1] == eos_id:  # a final EOS is never fed back
                 routing = torch.cat([routing, torch.zeros(1, routing.shape[1], dtype=torch.bool)])
             out.tokens.append(new)
-            out.logits.append(torch.stack(step_logits) if step_logits else torch.zeros(0))
+            out.logits.append(
+                torch.stack(step_logits) if step_logits else torch.zeros(0, model.config.vocab_size)
+            )
             out.routing.append(routing)
     finally:
         model.train(was_training)
