@@ -194,3 +194,12 @@ def test_layer_kinds_tile_the_pattern(pattern, n_layers):
 
 def test_layer_kinds_example():
     assert MoDConfig(layer_pattern="DR", n_layers=5).layer_kinds == "DRDRD"
+
+
+@pytest.mark.parametrize("capacity", [0.125, 0.29, 0.57, 1 / 3, 0.4999999, 0.9999999, 0.7, 1.0])
+def test_config_capacity_tokens_equals_the_shared_function(capacity):
+    """The model's integer-arithmetic path agrees with the documented rounding function."""
+    cfg = MoDConfig(capacity=capacity)
+    assert [cfg.capacity_tokens(t) for t in range(300)] == [
+        capacity_tokens(capacity, t) for t in range(300)
+    ]

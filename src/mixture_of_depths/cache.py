@@ -95,7 +95,8 @@ class KVCache:
             raise RuntimeError(
                 f"KV cache layer {layer} is full: {needed} slots needed, max_len={self.max_len}"
             )
-        new = min(self.max_len, max(needed, 2 * have))
+        # Grow by half, in steps of 64 slots: doubling would let one busy row double the layer.
+        new = min(self.max_len, 64 * math.ceil(max(needed, have * 3 // 2) / 64))
         for store in (self.k, self.v):
             old = store[layer]
             grown = old.new_zeros(*old.shape[:2], new, old.shape[3])
@@ -118,24 +119,33 @@ class KVCache:
         self.v[layer][:, :, :n] = v.gather(2, idx)[:, :, :n].to(self.dtype)
         self._lengths[layer] = counts
 
-    def append(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
-        """Append one key/value (n, n_kv_heads, 1, head_dim) to each of `rows` (host ids)."""
-        pos = self._lengths[layer, rows]
-        self._ensure(layer, int(pos.max()) + 1)
-        dev_rows, dev_pos = rows.to(self.device), pos.to(self.device)
-        self.k[layer][dev_rows, :, dev_pos] = k[:, :, 0].to(self.dtype)
-        self.v[layer][dev_rows, :, dev_pos] = v[:, :, 0].to(self.dtype)
-        self._lengths[layer, rows] += 1
+    def append_and_read(
+        self, layer: int, rows: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Append one key/value (n, n_kv_heads, 1, head_dim) to each of `rows` (sorted host ids),
+        then return what those rows attend to: keys, values (n, n_kv_heads, S, head_dim) and a
+        validity mask (n, 1, 1, S), or None when every returned slot is filled (S = longest row).
 
-    # -- reading --------------------------------------------------------------------------------
-    def read(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Keys, values and a validity mask (n, 1, 1, S) for `rows` (host ids), S = longest row."""
+        When the rows are all rows or a single row and their lengths are equal (the usual case),
+        this is one slice write and a slice read: no gather, no mask.
+        """
         lens = self._lengths[layer, rows]
-        S = int(lens.max())
-        if rows.numel() == self.batch_size and torch.equal(rows, torch.arange(self.batch_size)):
-            k, v = self.k[layer][:, :, :S], self.v[layer][:, :, :S]  # no gather for all rows
-        else:
-            dev_rows = rows.to(self.device)
-            k, v = self.k[layer][dev_rows, :, :S], self.v[layer][dev_rows, :, :S]
-        valid = torch.arange(S, device=self.device)[None, :] < lens.to(self.device)[:, None]
-        return k, v, valid[:, None, None, :]
+        lo, hi = int(lens.min()), int(lens.max())
+        self._ensure(layer, hi + 1)
+        K, V = self.k[layer], self.v[layer]
+        n = rows.numel()
+        if lo == hi and (n == self.batch_size or n == 1):
+            b = slice(None) if n == self.batch_size else slice(int(rows[0]), int(rows[0]) + 1)
+            K[b, :, lo] = k[:, :, 0]
+            V[b, :, lo] = v[:, :, 0]
+            self._lengths[layer, rows] += 1
+            return K[b, :, : lo + 1], V[b, :, : lo + 1], None
+        dev_rows, dev_pos = rows.to(self.device), lens.to(self.device)
+        K[dev_rows, :, dev_pos] = k[:, :, 0]
+        V[dev_rows, :, dev_pos] = v[:, :, 0]
+        self._lengths[layer, rows] += 1
+        S = hi + 1
+        valid = torch.arange(S, device=self.device)[None, :] <= dev_pos[:, None]
+        if n == self.batch_size:
+            return K[:, :, :S], V[:, :, :S], valid[:, None, None, :]
+        return K[dev_rows, :, :S], V[dev_rows, :, :S], valid[:, None, None, :]

@@ -98,6 +98,8 @@ class MoDConfig:
         ):
             raise ValueError(f"capacity must be in (0, 1], got {self.capacity!r}")
         self.capacity = float(self.capacity)
+        frac = Fraction(repr(self.capacity))
+        self._capacity_ratio = (frac.numerator, frac.denominator)  # derived, not a field
         for name, allowed in (
             ("routing", ROUTING_MODES),
             ("router_gate", ROUTER_GATES),
@@ -132,7 +134,10 @@ class MoDConfig:
         return not self.routed_layers
 
     def capacity_tokens(self, seq_len: int) -> int:
-        return capacity_tokens(self.capacity, seq_len)
+        """`capacity_tokens(self.capacity, seq_len)` in integer arithmetic on the exact decimal
+        fraction, so torch.compile traces it (a `Fraction` would break the graph)."""
+        num, den = self._capacity_ratio
+        return min(seq_len, (num * seq_len) // den)
 
     def dense_twin(self) -> MoDConfig:
         """The same model with every block dense: the baseline of the same size."""

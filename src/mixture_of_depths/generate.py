@@ -151,8 +151,7 @@ def _store_prompt(cache: KVCache, layer: int, take_BT: Tensor) -> KVHook:
 
 def _append_and_read(cache: KVCache, layer: int, rows: Tensor) -> KVHook:
     def hook(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        cache.append(layer, rows, k, v)
-        return cache.read(layer, rows)
+        return cache.append_and_read(layer, rows, k, v)
 
     return hook
 
@@ -235,6 +234,7 @@ def decode_step(
     x_N1D = model.embed(tokens.to(device)).unsqueeze(1)
     pos = positions.to(device)
     cos_N, sin_N = cos_S[pos][:, None, None, :], sin_S[pos][:, None, None, :]
+    predictor_mode = model.config.causal_router == "predictor"
     decisions = []
     for block in model.blocks:
         if not block.routed:
@@ -242,18 +242,34 @@ def decode_step(
             x_N1D = x_N1D + block.update("block", x_N1D, cos_N, sin_N, None, kv)
             continue
         for kind in block.route_kinds:
-            r_N1, pred_N1 = block.router_logits(kind, x_N1D)
-            take = ((r_N1 if pred_N1 is None else pred_N1)[:, 0] > 0).cpu()  # one sync per router
+            # The decision needs every row; the raw router weight (for the gate) only the takers.
+            r_N1 = None if predictor_mode else block.router[kind](x_N1D).squeeze(-1)
+            logit_N1 = block.predictor[kind](x_N1D) if predictor_mode else r_N1
+            take = (logit_N1[:, 0] > 0).cpu()  # the one host sync of a routed layer
             decisions.append(take)
             sel = take.nonzero().squeeze(1)
-            if sel.numel() == 0:
+            m = sel.numel()
+            if m == 0:
                 continue
-            sel_d = sel.to(device)
-            x_M1D = x_N1D[sel_d]
+            if m == len(rows):
+                x_M1D, sel_d = x_N1D, None
+                cos_M, sin_M = cos_N, sin_N
+            elif m == 1:  # the common case at low capacity: slices, not gathers
+                i = int(sel[0])
+                x_M1D, sel_d = x_N1D[i : i + 1], sel.to(device)
+                cos_M, sin_M = cos_N[i : i + 1], sin_N[i : i + 1]
+            else:
+                sel_d = sel.to(device)
+                x_M1D, cos_M, sin_M = x_N1D[sel_d], cos_N[sel_d], sin_N[sel_d]
             kv = None if kind == "mlp" else _append_and_read(cache, block.layer, rows[sel])
-            f_M1D = block.update(kind, x_M1D, cos_N[sel_d], sin_N[sel_d], None, kv)
-            g_M11 = block.gate(r_N1[sel_d]).unsqueeze(-1)
-            x_N1D = x_N1D.index_copy(0, sel_d, x_M1D + g_M11 * f_M1D)
+            f_M1D = block.update(kind, x_M1D, cos_M, sin_M, None, kv)
+            r_M1 = (
+                block.router[kind](x_M1D).squeeze(-1)
+                if predictor_mode
+                else (r_N1 if sel_d is None else r_N1[sel_d])
+            )
+            y_M1D = x_M1D + block.gate(r_M1).unsqueeze(-1) * f_M1D
+            x_N1D = y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
     logits = model.lm_head(model.norm(x_N1D[:, 0]))
     routing = (
         torch.stack(decisions, -1) if decisions else torch.zeros(len(rows), 0, dtype=torch.bool)

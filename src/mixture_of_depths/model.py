@@ -76,26 +76,28 @@ def rope_tables(
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
-    """cos/sin tables (seq_len, head_dim/2), computed in float64 and rounded once to `dtype`.
+    """Rotary tables (seq_len, head_dim): ``cat(cos, cos)`` and ``cat(-sin, sin)`` of the angles.
 
-    Built per forward rather than kept as buffers, so `model.to(torch.bfloat16)` cannot round the
-    angles of far positions and a float64 model gets float64 rotations.
+    Computed in float64 and rounded once to `dtype`. Built per forward rather than kept as buffers,
+    so `model.to(torch.bfloat16)` cannot round the angles of far positions and a float64 model
+    gets float64 rotations. The signed, doubled layout makes `apply_rope` four ops.
     """
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     )
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 def apply_rope(x_BHKd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate halves of the head dim; cos/sin broadcast to (B or 1, 1, K, d/2).
+    """Rotate each pair (x[i], x[i + d/2]) by its angle: ``x1 cos - x2 sin, x2 cos + x1 sin``.
 
-    Computed in at least float32 (bf16 activations are rotated in float32, float64 stays float64).
+    cos/sin from `rope_tables`, broadcast to (B or 1, 1, K, d). Computed in at least float32.
     """
-    x1, x2 = x_BHKd.to(cos.dtype).chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.type_as(x_BHKd)
+    x = x_BHKd.to(cos.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((x2, x1), -1) * sin).type_as(x_BHKd)
 
 
 class Attention(nn.Module):
@@ -116,13 +118,17 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """SDPA then the output projection. `attn_mask` None means causal over the K tokens."""
+        """SDPA then the output projection.
+
+        `attn_mask` None means causal: query i sees keys <= i when queries and keys are the same
+        tokens, and a single query (a decode step) sees every key it is given.
+        """
         y = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attn_mask,
-            is_causal=attn_mask is None,
+            is_causal=attn_mask is None and q.shape[-2] > 1,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
         B, _, K, _ = q.shape
@@ -324,6 +330,8 @@ class MoDTransformer(nn.Module):
             raise ValueError(
                 f"sequence length {T} is outside [1, max_seq_len={self.config.max_seq_len}]"
             )
+        if torch.compiler.is_compiling():  # a value check would break the graph
+            return
         if idx.device.type == "cpu":
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= V:
