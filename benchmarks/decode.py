@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
+from _common import cpu_snapshot, others_busy
 from torch import Tensor
 
 from mixture_of_depths import MoDConfig, MoDTransformer
@@ -65,30 +65,6 @@ from mixture_of_depths.model import rope_tables
 SPEEDUP_BAR = 1.6  # MoD decode tokens/s must reach this multiple of the dense twin's
 CACHE_BAR = 0.6  # MoD KV cache in use must be at most this fraction of the dense twin's
 MIN_CONTEXT = 512  # the context (prompt + new tokens) the bars are meant for
-
-
-def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(wall-clock seconds of all CPUs, busy seconds of all CPUs, this process's CPU seconds).
-
-    Two snapshots give the share of the machine other processes used in between (Linux
-    /proc/stat; None elsewhere): on a shared CPU they make timings noisy and unfair.
-    """
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        hz = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    idle = ticks[3] + ticks[4]  # idle + iowait
-    return sum(ticks) / hz, (sum(ticks) - idle) / hz, time.process_time()
-
-
-def others_busy(before: tuple | None, after: tuple | None) -> float | None:
-    """Share of all CPUs that other processes kept busy between two `cpu_snapshot`s."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    total, busy, mine = (a - b for a, b in zip(after, before, strict=True))
-    return min(1.0, max(0.0, (busy - mine) / total))
 
 
 def decode_flops(

@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
+from _common import cpu_snapshot, others_busy
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 
@@ -67,30 +67,6 @@ def train_step_flops(cfg: MoDConfig, seq_len: int, batch_size: int = 1) -> float
             forward += 2 * seq_len * d * routers
     forward += 2 * seq_len * d * cfg.vocab_size  # lm_head
     return 3 * batch_size * forward
-
-
-def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(wall-clock seconds of all CPUs, busy seconds of all CPUs, this process's CPU seconds).
-
-    Two snapshots give the share of the machine other processes used in between (Linux
-    /proc/stat; None elsewhere): on a shared CPU they make timings noisy and unfair.
-    """
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        hz = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    idle = ticks[3] + ticks[4]  # idle + iowait
-    return sum(ticks) / hz, (sum(ticks) - idle) / hz, time.process_time()
-
-
-def others_busy(before: tuple | None, after: tuple | None) -> float | None:
-    """Share of all CPUs that other processes kept busy between two `cpu_snapshot`s."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    total, busy, mine = (a - b for a, b in zip(after, before, strict=True))
-    return min(1.0, max(0.0, (busy - mine) / total))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

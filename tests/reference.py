@@ -222,3 +222,22 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
         for t in range(T):
             logits[b, t] = head @ rms_norm(streams[b][t], final_norm, cfg.norm_eps)
     return RefOutput(logits, routes)
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """O(1) weights everywhere (the default init is tiny), so routing and gates really matter.
+
+    Router weights are N(0, 1) so that r = x @ w is O(1) and has both signs.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if "norm" in name:
+                p.copy_(1 + 0.2 * z)
+            elif "router" in name:
+                p.copy_(z)
+            elif p.ndim == 2:
+                p.copy_(z / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.3 * z)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import rotate
+from reference import randomise, rotate
 
 from mixture_of_depths import MoDConfig, MoDTransformer, capacity_tokens
 from mixture_of_depths.cache import KVCache
@@ -48,26 +48,6 @@ def make_config(**overrides) -> MoDConfig:
         layer_pattern="RDR", capacity=0.25, predictor_hidden=16,
     )  # fmt: skip
     return MoDConfig(**{**base, **overrides})
-
-
-def randomise(model: MoDTransformer, seed: int) -> None:
-    """O(1) weights everywhere (the default init is tiny), so that routing really matters.
-
-    Router weights are N(0, 1): r = x @ w is O(1) with both signs, so some tokens take each routed
-    block in causal mode and some skip it.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            if "norm" in name:
-                p.copy_(1 + 0.2 * z)
-            elif "router" in name:
-                p.copy_(z)
-            elif p.ndim == 2:
-                p.copy_(z / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.3 * z)
 
 
 def random_tokens(batch: int, length: int, seed: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import reference_forward, topk_set
+from reference import randomise, reference_forward, topk_set
 
 from mixture_of_depths import MoDConfig, MoDTransformer, capacity_tokens
 from mixture_of_depths.model import topk_indices
@@ -35,25 +35,6 @@ def make_config(**overrides) -> MoDConfig:
 
 def tokens(batch: int = B, length: int = T, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def randomise(model: MoDTransformer, seed: int) -> None:
-    """O(1) weights everywhere (the default init is tiny), so routing and gates really matter.
-
-    Router weights are N(0, 1) so that r = x @ w is O(1) and has both signs.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            if "norm" in name:
-                p.copy_(1 + 0.2 * z)
-            elif "router" in name:
-                p.copy_(z)
-            elif p.ndim == 2:
-                p.copy_(z / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.3 * z)
 
 
 def calibrate_predictors(model: MoDTransformer, idx: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .cache import KVCache
 from .config import capacity_tokens
-from .model import KVHook, MoDTransformer, causal_attention_mask, rope_tables
+from .model import KVHook, MoDTransformer, causal_attention_mask, rope_tables, route_name
 
 PREFILL_MODES = ("causal", "topk")
 
@@ -58,12 +58,7 @@ def _out_dtype(t: Tensor) -> torch.dtype:
 
 
 def router_names(model: MoDTransformer) -> list[str]:
-    return [
-        str(b.layer) if kind == "block" else f"{b.layer}.{kind}"
-        for b in model.blocks
-        if b.routed
-        for kind in b.route_kinds
-    ]
+    return [route_name(b.layer, kind) for b in model.blocks if b.routed for kind in b.route_kinds]
 
 
 # -- input checks ---------------------------------------------------------------------------------

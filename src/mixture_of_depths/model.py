@@ -28,6 +28,10 @@ ROUTING_CHOICES = ("topk", "causal")
 KVHook = Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor, Tensor | None]] | None
 
 
+def route_name(layer: int, kind: str) -> str:
+    return str(layer) if kind == "block" else f"{layer}.{kind}"
+
+
 @dataclass
 class Route:
     """What one router did on one forward pass (returned, never stored on the module).
@@ -43,6 +47,11 @@ class Route:
     logits: Tensor
     target: Tensor
     predictor_logits: Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        """``"<layer>"`` for joint routing, ``"<layer>.<kind>"`` for staggered routing."""
+        return route_name(self.layer, self.kind)
 
     @property
     def decision_logits(self) -> Tensor:
@@ -403,6 +412,5 @@ def routing_accuracy(routes: list[Route]) -> dict[str, float]:
     """
     acc = {}
     for r in routes:
-        key = str(r.layer) if r.kind == "block" else f"{r.layer}.{r.kind}"
-        acc[key] = ((r.decision_logits > 0) == r.target).float().mean().item()
+        acc[r.name] = ((r.decision_logits > 0) == r.target).float().mean().item()
     return acc

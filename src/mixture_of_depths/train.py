@@ -150,8 +150,7 @@ def evaluate(
                 out = model(x, y, routing="causal")
             sums["causal"] += out.lm_loss.item()
             for r in out.routes:
-                key = str(r.layer) if r.kind == "block" else f"{r.layer}.{r.kind}"
-                take[key] = take.get(key, 0.0) + r.mask.float().mean().item()
+                take[r.name] = take.get(r.name, 0.0) + r.mask.float().mean().item()
     finally:
         model.train(was_training)
     n = max(1, len(batches))

@@ -1,0 +1,51 @@
+"""The benchmarks run end to end on a tiny model and end with a line of JSON (no speed asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "script, args, keys",
+    [
+        (
+            "train_step.py",
+            [
+                "--preset",
+                "tiny",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+            ],
+            {"speedup_measured", "speedup_flop_predicted", "cap1_overhead"},
+        ),
+        (
+            "decode.py",
+            ["--preset", "tiny", "--prompt-len", "16", "--new-tokens", "4", "--repeats", "1"],
+            {"results", "ratios"},
+        ),
+    ],
+)
+def test_benchmark_ends_with_json(script: str, args: list[str], keys: set[str]):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert keys <= set(last), sorted(last)
