@@ -78,11 +78,15 @@ class _Params:
     """The weights of one block, read out of the model as float64 tensors."""
 
     def __init__(self, block, cfg) -> None:  # noqa: ANN001
-        self.wq, self.wk = _w(block.attn.wq), _w(block.attn.wk)
-        self.wv, self.wo = _w(block.attn.wv), _w(block.attn.wo)
+        # The model fuses q/k/v (and W1/W3) into one projection; split it back by rows.
+        wqkv, nq = _w(block.attn.wqkv), block.attn.n_heads * block.attn.head_dim
+        nkv = block.attn.n_kv_heads * block.attn.head_dim
+        self.wq, self.wk, self.wv = wqkv[:nq], wqkv[nq : nq + nkv], wqkv[nq + nkv :]
+        self.wo = _w(block.attn.wo)
         self.attn_norm = block.attn_norm.weight.detach().to(torch.float64)
         self.mlp_norm = block.mlp_norm.weight.detach().to(torch.float64)
-        self.w1, self.w2, self.w3 = _w(block.mlp.w1), _w(block.mlp.w2), _w(block.mlp.w3)
+        self.w1, self.w3 = _w(block.mlp.w13).chunk(2, dim=0)
+        self.w2 = _w(block.mlp.w2)
         self.eps = cfg.norm_eps
         self.theta = cfg.rope_theta
         self.H, self.KVH, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads

@@ -130,21 +130,23 @@ def unrotated_keys_and_values(
     model: MoDTransformer, seq: list[int]
 ) -> tuple[dict[tuple[int, str], torch.Tensor], torch.Tensor]:
     """The full causal forward on one sequence: {(layer, "k" or "v"): (T, n_kv_heads, head_dim)}
-    read off `wk`/`wv` (keys before RoPE), and the routing decisions (T, n_routers)."""
+    read off the k/v rows of `wqkv` (keys before RoPE), and the routing decisions (T, n_routers)."""
     cfg = model.config
     raw: dict[tuple[int, str], torch.Tensor] = {}
 
-    def recorder(layer: int, key: str):  # noqa: ANN202
+    nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def recorder(layer: int):  # noqa: ANN202
         def hook(module, args, out):  # noqa: ANN001, ANN202
-            assert (layer, key) not in raw  # one attention call per block and forward
-            raw[(layer, key)] = out[0].detach().double().view(-1, cfg.n_kv_heads, cfg.head_dim)
+            assert (layer, "k") not in raw  # one attention call per block and forward
+            qkv = out[0].detach().double()  # the fused projection: rows q, then k, then v
+            raw[(layer, "k")] = qkv[:, nq : nq + nkv].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+            raw[(layer, "v")] = qkv[:, nq + nkv :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
 
         return hook
 
     handles = [
-        lin.register_forward_hook(recorder(block.layer, key))
-        for block in model.blocks
-        for lin, key in ((block.attn.wk, "k"), (block.attn.wv, "v"))
+        block.attn.wqkv.register_forward_hook(recorder(block.layer)) for block in model.blocks
     ]
     try:
         routes = causal_routes(model, seq)

@@ -113,18 +113,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: MoDConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        # One projection for q, k and v (rows in that order): one matmul instead of three.
+        self.wqkv = nn.Linear(
+            cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False
+        )
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def qkv(self, x_BKD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys (both rotated) and values, shaped (B, heads, K, head_dim)."""
         B, K, _ = x_BKD.shape
-        q = self.wq(x_BKD).view(B, K, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x_BKD).view(B, K, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x_BKD).view(B, K, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        H, Hkv = self.n_heads, self.n_kv_heads
+        qkv = self.wqkv(x_BKD).view(B, K, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+        qk, v = qkv.split((H + Hkv, Hkv), dim=1)
+        q, k = apply_rope(qk, cos, sin).split((H, Hkv), dim=1)  # rotate q and k in one go
+        return q, k, v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
         """SDPA then the output projection.
@@ -153,16 +155,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(x W1) * x W3), with W1 and W3 in one projection `w13` (rows: W1, then W3)."""
 
     def __init__(self, cfg: MoDConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w13 = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)
 
 
 class Predictor(nn.Module):

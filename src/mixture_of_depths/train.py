@@ -290,8 +290,11 @@ def train(
                 "tokens": done * tokens_per_step,
             }
             log.write(rec)
-            bar.set_postfix(
-                loss=f"{rec['lm_loss']:.3f}", aux=f"{rec['aux_loss']:.3f}", tok_s=f"{tok_s:,.0f}"
+            bar.set_postfix(  # no forced redraw: the bar's own mininterval decides
+                loss=f"{rec['lm_loss']:.3f}",
+                aux=f"{rec['aux_loss']:.3f}",
+                tok_s=f"{tok_s:,.0f}",
+                refresh=False,
             )
         bar.update(1)
         if done % tc.eval_every == 0 or done == tc.steps:
@@ -377,7 +380,11 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train_rows = [r for r in rows if "lm_loss" in r]
     eval_rows = [r for r in rows if "val_loss_topk" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    routed = bool(eval_rows and eval_rows[-1]["routing_accuracy"])
+    fig, axes = plt.subplots(
+        1, 2 if routed else 1, figsize=(12 if routed else 7, 4), dpi=120, squeeze=False
+    )
+    ax = axes[0, 0]
     ax.plot(
         [r["step"] for r in train_rows],
         [r["lm_loss"] for r in train_rows],
@@ -395,6 +402,20 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if routed:  # causal decision vs top-k, per router: how honest causal sampling will be
+        ax = axes[0, 1]
+        for name in eval_rows[-1]["routing_accuracy"]:
+            ax.plot(
+                [r["step"] for r in eval_rows],
+                [100 * r["routing_accuracy"].get(name, float("nan")) for r in eval_rows],
+                "o-",
+                label=f"layer {name}",
+            )
+        ax.set_xlabel("step")
+        ax.set_ylabel("routing accuracy (%)")
+        ax.set_title("causal decision vs top-k membership", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     tmp = png_path.with_name(f".{png_path.name}.tmp.png")
     fig.savefig(tmp)
