@@ -289,7 +289,7 @@ def _dense_twin_with_same_weights(model: MoDTransformer) -> MoDTransformer:
 def _unit_gates(model: MoDTransformer) -> None:
     for block in model.blocks:
         if block.routed:
-            block.gate = torch.ones_like  # g(r) = 1: a routed block that takes all is dense
+            block.gate = lambda r, like: torch.ones_like(r, dtype=like.dtype)  # g = 1: dense
 
 
 @pytest.mark.parametrize("mode", ["joint", "staggered"])

@@ -4,14 +4,14 @@ Layout: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l, head_dim) an
 ``lengths[l, b]`` says how many slots of row b are filled. Slots are filled left to right with no
 holes: a routed layer appends a token only if the token took that layer (its attention sub-block,
 in staggered routing), so ``lengths[l, b]`` is the number of such tokens and slot j holds the j-th
-of them. Keys are stored
-already rotated at the token's original position. Attention reads slots ``< lengths[l, b]`` only, so
-a slot that was never written is never attended.
+of them. Keys are stored already rotated at the token's original position. Attention reads slots
+``< lengths[l, b]`` only, so a slot that was never written is never attended.
 
 Growth: dense layers are allocated for the whole generation up front. Routed layers start at a
-fraction of that (``capacity`` plus headroom) and double, up to the full size, when a row fills its
-buffer; in causal routing a layer may take more tokens than its capacity, and nothing is dropped.
-Writing past `max_len` (the full size) raises an error; `generate` sizes the cache so it cannot.
+fraction of that (``capacity`` plus headroom) and grow by half, in steps of 64 slots up to the full
+size, when a row fills its buffer: in causal routing a layer may take more tokens than its
+capacity, and nothing is dropped. Writing past `max_len` (the full size) raises an error;
+`generate` sizes the cache so that it cannot.
 
 Lengths are kept on the host: the decode loop already knows on the host which rows take a layer,
 so no device-to-host copy is needed to read or check them.
@@ -87,7 +87,7 @@ class KVCache:
 
     # -- writing --------------------------------------------------------------------------------
     def _ensure(self, layer: int, needed: int) -> None:
-        """Grow layer `layer` (doubling, at most `max_len`) until it has `needed` slots."""
+        """Grow layer `layer` (by half, in 64-slot steps, at most `max_len`) to `needed` slots."""
         have = self.slots(layer)
         if needed <= have:
             return
@@ -110,7 +110,7 @@ class KVCache:
         """
         B, _, T, _ = k.shape
         counts = take_BT.sum(1).cpu()
-        self._ensure(layer, int(counts.max()) if B else 0)
+        self._ensure(layer, int(counts.max()))
         # A stable sort on "skipped" moves each row's taken tokens to the front, in order.
         order_BT = torch.sort((~take_BT).to(torch.int8), dim=1, stable=True).indices
         idx = order_BT[:, None, :, None].expand(B, k.shape[1], T, k.shape[3])

@@ -35,6 +35,20 @@ def _umask_mode(default: int = 0o666) -> int:
     return default & ~mask
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make renames inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +74,8 @@ def atomic_save_tensors(
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata)
+        with open(tmp, "rb+") as f:  # on disk before the rename makes it visible
+            os.fsync(f.fileno())
         os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
@@ -133,12 +149,16 @@ def save_checkpoint(
             write_json(tmp / "trainer.json", trainer_state)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        _fsync_dir(tmp)
         old = final.with_name(f".{final.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
         if final.exists():
+            # `final` is good, so a stale `old` may go; then keep the previous checkpoint as `old`
+            # until the new one is in place.
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
+        # (If only `old` exists, a crash hit between the renames: it stays until `tmp` is placed.)
         os.replace(tmp, final)
+        _fsync_dir(final.parent)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -166,8 +186,11 @@ def load_model(
     d = resolve_checkpoint(directory)
     config = MoDConfig.from_dict(read_json(d / "config.json"))
     model = MoDTransformer(config)
-    tensors = load_file(d / "model.safetensors", device=str(map_location))
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tensors = load_file(d / "model.safetensors")  # to CPU parameters; moved once below
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise ValueError(f"checkpoint {d} does not match its config: {exc}") from exc
     # Tied weights are stored once; anything else missing is a real mismatch.
     tied = {"lm_head.weight"} if config.tie_embeddings else set()
     if set(missing) - tied or unexpected:

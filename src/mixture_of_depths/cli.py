@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the run in --out from its last checkpoint, exactly",
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="start over even if --out already holds a run"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     model_group = p.add_argument_group("model (MoDConfig fields)")
@@ -141,13 +144,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
         tc = TrainConfig(**train_over)
-        summary = train(cfg, tc, progress=not args.no_progress)
+        summary = train(cfg, tc, overwrite=args.overwrite, progress=not args.no_progress)
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .train import evaluate_checkpoint
+    from .train import evaluate_checkpoint, format_eval_lines
 
     res = evaluate_checkpoint(
         args.checkpoint,
@@ -160,14 +163,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(res))
         return 0
     print(f"checkpoint: {res['checkpoint']}")
-    print(
-        f"validation loss (nats/token): top-k {res['val_loss_topk']:.4f}   "
-        f"causal {res['val_loss_causal']:.4f}"
-    )
-    for k, v in res["routing_accuracy"].items():
-        take = res["causal_take_rate"].get(k)
-        extra = f", causal take-rate {take:.1%}" if take is not None else ""
-        print(f"routing accuracy layer {k}: {v:.2%}{extra}")
+    print("\n".join(format_eval_lines(res)))
     return 0
 
 
@@ -333,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"mod {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

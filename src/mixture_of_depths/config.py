@@ -34,9 +34,12 @@ def capacity_tokens(capacity: float, seq_len: int) -> int:
     return min(seq_len, math.floor(Fraction(repr(float(capacity))) * seq_len))
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoDConfig:
-    """Hyper-parameters of a `MoDTransformer`; validated on construction, round-trips via JSON."""
+    """Hyper-parameters of a `MoDTransformer`; validated on construction, round-trips via JSON.
+
+    Frozen: a model reads its config throughout, so change one with `dataclasses.replace`.
+    """
 
     vocab_size: int = 257
     d_model: int = 256
@@ -60,7 +63,7 @@ class MoDConfig:
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -80,7 +83,7 @@ class MoDConfig:
                 "attention shares each key/value head among a whole number of query heads)"
             )
         if self.d_ff is None:
-            self.d_ff = 32 * math.ceil(self.ff_mult * self.d_model / 32)
+            object.__setattr__(self, "d_ff", 32 * math.ceil(self.ff_mult * self.d_model / 32))
         if isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1:
             raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
         if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
@@ -97,9 +100,10 @@ class MoDConfig:
             isinstance(self.capacity, int | float) and 0.0 < self.capacity <= 1.0
         ):
             raise ValueError(f"capacity must be in (0, 1], got {self.capacity!r}")
-        self.capacity = float(self.capacity)
+        object.__setattr__(self, "capacity", float(self.capacity))
         frac = Fraction(repr(self.capacity))
-        self._capacity_ratio = (frac.numerator, frac.denominator)  # derived, not a field
+        # Derived, not a field: the exact capacity as integers for `capacity_tokens`.
+        object.__setattr__(self, "_capacity_ratio", (frac.numerator, frac.denominator))
         for name, allowed in (
             ("routing", ROUTING_MODES),
             ("router_gate", ROUTER_GATES),
@@ -133,10 +137,15 @@ class MoDConfig:
     def is_dense(self) -> bool:
         return not self.routed_layers
 
+    @property
+    def capacity_ratio(self) -> tuple[int, int]:
+        """The capacity as an exact fraction (numerator, denominator) of its decimal value."""
+        return self._capacity_ratio
+
     def capacity_tokens(self, seq_len: int) -> int:
         """`capacity_tokens(self.capacity, seq_len)` in integer arithmetic on the exact decimal
         fraction, so torch.compile traces it (a `Fraction` would break the graph)."""
-        num, den = self._capacity_ratio
+        num, den = self.capacity_ratio
         return min(seq_len, (num * seq_len) // den)
 
     def dense_twin(self) -> MoDConfig:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .config import capacity_tokens
+from .config import MoDConfig
 from .model import KVHook, MoDTransformer, causal_attention_mask, rope_tables, route_name
 
 PREFILL_MODES = ("causal", "topk")
@@ -151,15 +151,18 @@ def _append_and_read(cache: KVCache, layer: int, rows: Tensor) -> KVHook:
     return hook
 
 
-def _topk_take(r_BT: Tensor, lens: Tensor, capacity: float) -> Tensor:
+def _topk_take(r_BT: Tensor, lens: Tensor, config: MoDConfig) -> Tensor:
     """The paper's top-k over each row's prompt: capacity_tokens(capacity, len) tokens per row."""
     B, T = r_BT.shape
-    valid = torch.arange(T, device=r_BT.device)[None, :] < lens.to(r_BT.device)[:, None]
-    k_B = torch.tensor([capacity_tokens(capacity, int(n)) for n in lens], device=r_BT.device)
-    order = torch.sort(r_BT.masked_fill(~valid, float("-inf")), dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order.indices).scatter_(
-        1, order.indices, torch.arange(T, device=r_BT.device).expand(B, T)
-    )
+    device = r_BT.device
+    lens = lens.to(device)
+    valid = torch.arange(T, device=device)[None, :] < lens[:, None]
+    num, den = config.capacity_ratio  # capacity_tokens, vectorised over the rows
+    k_B = torch.minimum(lens, (num * lens) // den)
+    order = torch.sort(
+        r_BT.masked_fill(~valid, float("-inf")), dim=1, descending=True, stable=True
+    ).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=device).expand(B, T))
     return rank < k_B[:, None]
 
 
@@ -194,11 +197,11 @@ def prefill(
             if mode == "causal":
                 take_BT = ((r_BT if pred_BT is None else pred_BT) > 0) & valid_BT
             else:
-                take_BT = _topk_take(r_BT, lens, model.config.capacity)
+                take_BT = _topk_take(r_BT, lens, model.config)
             kv = None if kind == "mlp" else _store_prompt(cache, block.layer, take_BT)
             f_BTD = block.update(kind, x_BTD, cos_T, sin_T, causal_attention_mask(take_BT), kv)
             x_BTD = torch.where(
-                take_BT.unsqueeze(-1), x_BTD + block.gate(r_BT).unsqueeze(-1) * f_BTD, x_BTD
+                take_BT.unsqueeze(-1), x_BTD + block.gate(r_BT, x_BTD).unsqueeze(-1) * f_BTD, x_BTD
             )
             decisions.append(take_BT)
     last_BD = x_BTD[torch.arange(B, device=device), lens.to(device) - 1]
@@ -238,7 +241,7 @@ def decode_step(
             continue
         for kind in block.route_kinds:
             # The decision needs every row; the raw router weight (for the gate) only the takers.
-            r_N1 = None if predictor_mode else block.router[kind](x_N1D).squeeze(-1)
+            r_N1 = None if predictor_mode else block.router_weight(kind, x_N1D)
             logit_N1 = block.predictor[kind](x_N1D) if predictor_mode else r_N1
             take = (logit_N1[:, 0] > 0).cpu()  # the one host sync of a routed layer
             decisions.append(take)
@@ -259,11 +262,11 @@ def decode_step(
             kv = None if kind == "mlp" else _append_and_read(cache, block.layer, rows[sel])
             f_M1D = block.update(kind, x_M1D, cos_M, sin_M, None, kv)
             r_M1 = (
-                block.router[kind](x_M1D).squeeze(-1)
+                block.router_weight(kind, x_M1D)
                 if predictor_mode
                 else (r_N1 if sel_d is None else r_N1[sel_d])
             )
-            y_M1D = x_M1D + block.gate(r_M1).unsqueeze(-1) * f_M1D
+            y_M1D = x_M1D + block.gate(r_M1, x_M1D).unsqueeze(-1) * f_M1D
             x_N1D = y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
     logits = model.lm_head(model.norm(x_N1D[:, 0]))
     routing = (

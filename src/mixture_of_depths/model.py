@@ -176,7 +176,20 @@ class Predictor(nn.Module):
         self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.silu(self.fc1(x))).squeeze(-1)
+        h = F.silu(_linear32(x, self.fc1))
+        return _linear32(h, self.fc2).squeeze(-1)
+
+
+def _linear32(x: Tensor, lin: nn.Linear) -> Tensor:
+    """`lin(x)` in at least float32, also under bf16 autocast or in a bf16 model.
+
+    Routing decisions compare logits with each other (top-k) and with 0 (causal): in bf16 they
+    would tie often and flip between training (autocast) and generation (no autocast).
+    """
+    dt = torch.promote_types(x.dtype, torch.float32)
+    bias = None if lin.bias is None else lin.bias.to(dt)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.to(dt), lin.weight.to(dt), bias)
 
 
 def topk_indices(r_BT: Tensor, k: int) -> Tensor:
@@ -249,16 +262,22 @@ class Block(nn.Module):
             return a_BKD
         return a_BKD + self.mlp(self.mlp_norm(x_BKD + a_BKD))
 
+    def router_weight(self, kind: str, x_BTD: Tensor) -> Tensor:
+        """The raw router weight r = x @ w (B, T), in at least float32."""
+        return _linear32(x_BTD, self.router[kind]).squeeze(-1)
+
     def router_logits(self, kind: str, x_BTD: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Raw router weights r (B, T) and, in predictor mode, the predictor's logits."""
-        r_BT = self.router[kind](x_BTD).squeeze(-1)
+        """Raw router weights r (B, T) and, in predictor mode, the predictor's logits (float32
+        at least)."""
+        r_BT = self.router_weight(kind, x_BTD)
         if self.cfg.causal_router != "predictor":
             return r_BT, None
         # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
         return r_BT, self.predictor[kind](x_BTD.detach())
 
-    def gate(self, r: Tensor) -> Tensor:
-        return torch.sigmoid(r) if self.cfg.router_gate == "sigmoid" else r
+    def gate(self, r: Tensor, like: Tensor) -> Tensor:
+        """g(r) in the dtype of the stream `like`, so the update keeps the stream's dtype."""
+        return (torch.sigmoid(r) if self.cfg.router_gate == "sigmoid" else r).to(like.dtype)
 
     def forward(
         self, x_BTD: Tensor, cos_T: Tensor, sin_T: Tensor, routing: str
@@ -291,14 +310,14 @@ class Block(nn.Module):
                 cos_BK, sin_BK = cos_T[idx_BK].unsqueeze(1), sin_T[idx_BK].unsqueeze(1)
                 # idx sorted ascending, so a plain causal mask over K is causal in the sequence.
                 f_BKD = self.update(kind, x_BKD, cos_BK, sin_BK, None)
-                g_BK1 = self.gate(r_BT.gather(1, idx_BK)).unsqueeze(-1)
+                g_BK1 = self.gate(r_BT.gather(1, idx_BK), x_BKD).unsqueeze(-1)
                 y_ND = (x_BKD + g_BK1 * f_BKD).reshape(B * k, D)
                 x_BTD = x_ND.index_copy(0, rows_N, y_ND).view(B, T, D)
         else:
             mask_BT = (r_BT if pred_BT is None else pred_BT) > 0
             f_BTD = self.update(kind, x_BTD, cos_T, sin_T, causal_attention_mask(mask_BT))
             x_BTD = torch.where(
-                mask_BT.unsqueeze(-1), x_BTD + self.gate(r_BT).unsqueeze(-1) * f_BTD, x_BTD
+                mask_BT.unsqueeze(-1), x_BTD + self.gate(r_BT, x_BTD).unsqueeze(-1) * f_BTD, x_BTD
             )
         return x_BTD, Route(self.layer, kind, mask_BT, r_BT, topk_BT, pred_BT)
 

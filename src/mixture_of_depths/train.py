@@ -12,6 +12,7 @@ restored, and batches are a pure function of (seed, step).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -173,13 +174,60 @@ class MetricsLog:
             kept = [
                 line
                 for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= keep_until_step
+                if _step_of(line) is not None and _step_of(line) <= keep_until_step
             ]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a log line, None for a line cut short by a crash (it can only be the last)."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return None
+
+
+# Training settings a resumed run must share with the run it continues, or it is not the same run.
+# (`steps` may change, e.g. to train longer; the LR schedule then follows the new length.)
+_RESUME_FIXED = (
+    "data",
+    "tokenizer",
+    "bpe_vocab_size",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "seed",
+)
+
+
+def _check_resume_config(saved: dict[str, Any], tc: TrainConfig) -> None:
+    changed = [
+        f"{k}: {saved.get(k)!r} -> {getattr(tc, k)!r}"
+        for k in _RESUME_FIXED
+        if k in saved and saved[k] != getattr(tc, k)
+    ]
+    if changed:
+        raise ValueError(
+            "resume must continue the same run, but these settings differ from the checkpoint's: "
+            + "; ".join(changed)
+            + ". Start a new run with a new --out instead."
+        )
+
+
+def stream_fingerprint(tokens: torch.Tensor) -> str:
+    """sha256 of a token stream, to check that a resumed run reads the same data."""
+    data = tokens.contiguous().view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()
 
 
 def _prepare_data(
@@ -198,21 +246,46 @@ def train(
     tc: TrainConfig,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train (or resume) and return a summary. With `resume`, `model_config` may be None."""
+    """Train (or resume) and return a summary. With `resume`, `model_config` may be None.
+
+    A new run refuses an `out` that already holds a checkpoint unless `overwrite`. On the CPU a
+    resumed run reproduces an uninterrupted one bit for bit; on CUDA, nondeterministic kernels
+    (flash-attention backward, index_add) make even two uninterrupted runs differ slightly.
+    """
     out_dir = Path(tc.out)
     ckpt_dir = out_dir / CHECKPOINT_NAME
     device = resolve_device(tc.device)
-    start_step, tokenizer, trainer_state = 0, None, None
+    start_step, tokenizer, trainer_state, ckpt = 0, None, None, None
     if resume:
         ckpt = resolve_checkpoint(ckpt_dir)
         trainer_state = read_json(ckpt / "trainer.json")
+        for key in ("step", "sampler", "train_config"):
+            if key not in trainer_state:
+                raise ValueError(f"{ckpt / 'trainer.json'} has no {key!r}: cannot resume exactly")
+        _check_resume_config(trainer_state["train_config"], tc)
         model, model_config = load_model(ckpt, map_location=device)
         tokenizer = load_tokenizer(ckpt)
         start_step = int(trainer_state["step"])
+    elif not overwrite and (
+        (ckpt_dir / "config.json").exists() or (out_dir / "metrics.jsonl").exists()
+    ):
+        raise ValueError(
+            f"{out_dir} already holds a run: resume it (--resume), start over (--overwrite), "
+            "or pick another --out"
+        )
     torch.manual_seed(tc.seed)
     train_tokens, val_tokens, tokenizer = _prepare_data(tc, tokenizer)
+    fingerprint = stream_fingerprint(train_tokens)
+    if trainer_state is not None and trainer_state.get("data_fingerprint", fingerprint) != (
+        fingerprint
+    ):
+        raise ValueError(
+            "the training data differ from the checkpoint's (another Python's standard library, "
+            "or edited files?): a resumed run would read other tokens at the same step"
+        )
     assert model_config is not None
     if model_config.vocab_size != tokenizer.vocab_size:
         if resume:
@@ -232,17 +305,27 @@ def train(
     opt = make_optimizer(model, tc)
     sampler = BatchSampler(train_tokens, tc.batch_size, seq_len, seed=tc.seed)
     if resume:
-        opt_state = load_optimizer_state(resolve_checkpoint(ckpt_dir))
-        if opt_state is not None:
-            opt.load_state_dict(opt_state)
+        opt_state = load_optimizer_state(ckpt)
+        if opt_state is None:
+            raise ValueError(f"{ckpt} has no optimizer state: cannot resume exactly")
+        opt.load_state_dict(opt_state)
         sampler.load_state_dict(trainer_state["sampler"])
-    val = eval_batches(val_tokens, tc.batch_size, seq_len, tc.eval_batches)
+    try:
+        val = eval_batches(val_tokens, tc.batch_size, seq_len, tc.eval_batches)
+    except ValueError as exc:
+        raise ValueError(
+            f"the validation split is too short for seq_len {seq_len} ({exc}); use a smaller "
+            "--seq-len or more data"
+        ) from exc
     step_fn = torch.compile(model) if tc.compile else model
     log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
     if not resume:
         write_json(
             out_dir / "run.json", {"model": model_config.to_dict(), "train": dataclasses.asdict(tc)}
         )
+    # The predictor is clipped on its own: its gradient must not rescale the LM's update.
+    lm_params = [p for n, p in model.named_parameters() if ".predictor." not in n]
+    predictor_params = [p for n, p in model.named_parameters() if ".predictor." in n]
     tokens_per_step = tc.batch_size * seq_len
     elapsed = float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0
     last_eval: dict[str, Any] = {}
@@ -267,9 +350,10 @@ def train(
             out = step_fn(x, y)
         out.loss.backward()
         # Clip before the step: clipping after it would be a no-op on this update.
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")
-        )
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(lm_params, max_norm)
+        if predictor_params:
+            torch.nn.utils.clip_grad_norm_(predictor_params, max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         window_tokens += tokens_per_step
@@ -311,6 +395,7 @@ def train(
                 trainer_state={
                     "step": done,
                     "sampler": sampler.state_dict(),
+                    "data_fingerprint": fingerprint,
                     "elapsed_s": elapsed,
                     "train_config": dataclasses.asdict(tc),
                 },
@@ -352,18 +437,26 @@ def format_eval(step: int, ev: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def format_eval_lines(ev: dict[str, Any]) -> list[str]:
+    """Validation loss in both modes, then routing accuracy and take-rate per router."""
+    lines = [
+        f"validation loss (nats/token): top-k {ev['val_loss_topk']:.4f}   "
+        f"causal {ev['val_loss_causal']:.4f}"
+    ]
+    for k, v in ev["routing_accuracy"].items():
+        take = ev["causal_take_rate"].get(k)
+        extra = f", causal take-rate {take:.1%}" if take is not None else ""
+        lines.append(f"routing accuracy layer {k}: {v:.2%}{extra}")
+    return lines
+
+
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"trained {s['steps']} steps, {s['tokens']:,} tokens in {s['train_time_s']:.0f} s "
         f"({s['params'] / 1e6:.2f}M parameters, layers {s['layer_kinds']}, "
         f"capacity {s['capacity']})",
-        f"validation loss (nats/token): top-k {s['val_loss_topk']:.4f}   "
-        f"causal {s['val_loss_causal']:.4f}",
+        *format_eval_lines(s),
     ]
-    for k, v in s["routing_accuracy"].items():
-        take = s["causal_take_rate"].get(k)
-        extra = f", causal take-rate {take:.1%}" if take is not None else ""
-        lines.append(f"routing accuracy layer {k}: {v:.2%}{extra}")
     lines.append(f"checkpoint: {s['checkpoint']}")
     if "plot" in s:
         lines.append(f"loss curve: {s['plot']}")
@@ -435,8 +528,13 @@ def evaluate_checkpoint(
     ckpt = resolve_checkpoint(checkpoint)
     model, cfg = load_model(ckpt, map_location=dev)
     tokenizer = load_tokenizer(ckpt)
-    if data is None and (ckpt / "trainer.json").exists():
-        data = read_json(ckpt / "trainer.json")["train_config"].get("data")
+    # Evaluate as the run did: its data and its sequence length (k = floor(capacity * T)).
+    saved = {}
+    if (ckpt / "trainer.json").exists():
+        saved = read_json(ckpt / "trainer.json").get("train_config", {})
+    if data is None:
+        data = saved.get("data")
+    seq_len = saved.get("seq_len") or cfg.max_seq_len
     _, val_tokens, _ = load_splits(data, tokenizer)
-    batches = eval_batches(val_tokens, batch_size, cfg.max_seq_len, n_batches)
+    batches = eval_batches(val_tokens, batch_size, seq_len, n_batches)
     return {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
