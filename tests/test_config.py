@@ -203,3 +203,10 @@ def test_config_capacity_tokens_equals_the_shared_function(capacity):
     assert [cfg.capacity_tokens(t) for t in range(300)] == [
         capacity_tokens(capacity, t) for t in range(300)
     ]
+
+
+def test_config_is_frozen():
+    cfg = MoDConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.capacity = 0.5  # would desynchronise the model's capacity rounding
+    assert dataclasses.replace(cfg, capacity=0.5).capacity_tokens(10) == 5

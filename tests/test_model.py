@@ -552,3 +552,23 @@ def test_forward_leaves_no_state_on_the_modules():
     model(tokens(), targets=tokens(seed=1))
     model(tokens(), routing="causal")
     assert {n: set(vars(m)) for n, m in model.named_modules()} == before
+
+
+def test_routers_run_in_float32_under_bf16_autocast():
+    """Routing compares logits with each other and with 0: bf16 rounding would flip decisions
+    between autocast training and plain-precision generation."""
+    cfg = MoDConfig(
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=32,
+        causal_router="predictor",
+        predictor_hidden=8,
+    )
+    model = MoDTransformer(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(idx, idx)
+    assert out.logits.dtype == torch.bfloat16  # the rest does run in bf16
+    for r in out.routes:
+        assert r.logits.dtype == torch.float32 and r.predictor_logits.dtype == torch.float32

@@ -218,3 +218,49 @@ def test_checkpoint_files_are_world_readable_like_open(tmp_path: Path):
     mask = os.umask(0)
     os.umask(mask)
     assert (d / "config.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_resume_refuses_changed_settings_and_new_run_refuses_to_overwrite(corpus, tmp_path):
+    cfg = MoDConfig(**TINY)
+    out = tmp_path / "run"
+    train(cfg, tc(corpus, out, steps=3), progress=False)
+    with pytest.raises(ValueError, match="lr: 0.003 -> 0.01"):
+        train(None, tc(corpus, out, steps=6, lr=1e-2), resume=True, progress=False)
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(cfg, tc(corpus, out, steps=3), progress=False)
+    train(cfg, tc(corpus, out, steps=3), overwrite=True, progress=False)  # explicit: allowed
+
+
+def test_resume_refuses_other_data(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(MoDConfig(**TINY), tc(corpus, out, steps=3), progress=False)
+    f = corpus / "f00.py"
+    f.write_text(f.read_text() + "x = 1\n")
+    with pytest.raises(ValueError, match="training data differ"):
+        train(None, tc(corpus, out, steps=6), resume=True, progress=False)
+
+
+def test_resume_survives_a_half_written_log_line(corpus, tmp_path):
+    cfg = MoDConfig(**TINY)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(cfg, tc(corpus, full), progress=False)
+    _train_until(cfg, tc(corpus, cut), stop_at=3)
+    with (cut / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 4, "loss": 1.2')  # a crash in the middle of a write
+    train(None, tc(corpus, cut), resume=True, progress=False)
+    assert losses(cut) == losses(full)
+
+
+def test_predictor_gradient_does_not_rescale_the_lm_update(corpus, tmp_path):
+    """Clipping is active (tiny max norm); the predictor's loss weight changes only its own
+    gradient, so every other parameter must end up bit-identical."""
+    finals = []
+    for w in (0.1, 100.0):
+        cfg = MoDConfig(**TINY, causal_router="predictor", aux_loss_weight=w)
+        out = tmp_path / f"w{w}"
+        train(cfg, tc(corpus, out, steps=2, grad_clip=1e-3), progress=False)
+        model, _ = load_model(out / "checkpoint")
+        finals.append({n: p for n, p in model.state_dict().items() if ".predictor." not in n})
+    assert finals[0].keys() == finals[1].keys()
+    for n in finals[0]:
+        assert torch.equal(finals[0][n], finals[1][n]), n
