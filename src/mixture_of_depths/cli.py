@@ -92,8 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="validation loss (top-k and causal) and routing accuracy")
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
     p.add_argument("--data", default=None, help="text file or folder (default: the run's data)")
-    p.add_argument("--batches", type=int, default=16, help="validation batches (default: 16)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="validation batches (default: the run's eval_batches)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="(default: the run's batch size, so the numbers match its last eval)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 

@@ -186,6 +186,10 @@ def _linear32(x: Tensor, lin: nn.Linear) -> Tensor:
     Routing decisions compare logits with each other (top-k) and with 0 (causal): in bf16 they
     would tie often and flip between training (autocast) and generation (no autocast).
     """
+    if x.dtype == lin.weight.dtype == torch.float32 and not torch.is_autocast_enabled(
+        x.device.type
+    ):
+        return F.linear(x, lin.weight, lin.bias)  # already float32: skip the context (decode)
     dt = torch.promote_types(x.dtype, torch.float32)
     bias = None if lin.bias is None else lin.bias.to(dt)
     with torch.autocast(x.device.type, enabled=False):

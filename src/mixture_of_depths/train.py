@@ -519,8 +519,8 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
 def evaluate_checkpoint(
     checkpoint: str | Path,
     data: str | None = None,
-    n_batches: int = 16,
-    batch_size: int = 8,
+    n_batches: int | None = None,
+    batch_size: int | None = None,
     device: str = "auto",
 ) -> dict[str, Any]:
     """`mod eval`: validation loss in both modes and routing accuracy of a saved model."""
@@ -535,6 +535,8 @@ def evaluate_checkpoint(
     if data is None:
         data = saved.get("data")
     seq_len = saved.get("seq_len") or cfg.max_seq_len
+    batch_size = batch_size or saved.get("batch_size") or TrainConfig.batch_size
+    n_batches = n_batches or saved.get("eval_batches") or TrainConfig.eval_batches
     _, val_tokens, _ = load_splits(data, tokenizer)
     batches = eval_batches(val_tokens, batch_size, seq_len, n_batches)
     return {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
