@@ -128,6 +128,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto")
 
+    p = sub.add_parser(
+        "flops",
+        help="FLOPs per layer and KV-cache bytes, beside the dense twin",
+        description="Analytic FLOPs of a model (training, top-k forward, decode) per layer, "
+        "counted the way torch's FlopCounterMode counts them, beside its dense twin.",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help=f"model preset (default: {DEFAULT_PRESET})",
+    )
+    p.add_argument("--checkpoint", default=None, help="take the model config from a checkpoint")
+    p.add_argument("--seq-len", type=int, default=None, help="(default: the model's max_seq_len)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--take-rate",
+        type=float,
+        default=None,
+        help="share of generated tokens taking each routed layer (default: capacity)",
+    )
+    p.add_argument(
+        "--decode-context",
+        type=int,
+        default=None,
+        help="context length for the decode estimate (default: --seq-len)",
+    )
+    p.add_argument("--json", action="store_true")
+    _add_dataclass_flags(
+        p.add_argument_group("model (MoDConfig fields)"), MoDConfig, skip={"max_seq_len"}
+    )
+
     p = sub.add_parser("presets", help="list the model presets")
     p.add_argument("--json", action="store_true")
     return parser
@@ -304,6 +336,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flops(args: argparse.Namespace) -> int:
+    from .flops import estimate_flops, format_report
+
+    if args.checkpoint is not None:
+        from .checkpoint import read_json, resolve_checkpoint
+
+        cfg = MoDConfig.from_dict(read_json(resolve_checkpoint(args.checkpoint) / "config.json"))
+    else:
+        cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **_given(args, MoDConfig))
+    report = estimate_flops(
+        cfg,
+        args.seq_len or cfg.max_seq_len,
+        args.batch_size,
+        take_rate=args.take_rate,
+        decode_context=args.decode_context,
+    )
+    print(json.dumps(report.to_dict()) if args.json else format_report(report))
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from .model import MoDTransformer
 
@@ -335,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": cmd_train,
         "eval": cmd_eval,
         "generate": cmd_generate,
+        "flops": cmd_flops,
         "presets": cmd_presets,
     }
     try:

@@ -1,0 +1,259 @@
+"""Analytic FLOPs and KV-cache bytes of a MoD model, per layer, beside its dense twin.
+
+Conventions (those of `torch.utils.flop_counter.FlopCounterMode`): a multiply-add is 2 FLOPs; only
+matrix products count (projections, attention products, router, predictor, LM head); norms, RoPE,
+softmax, activations, gathers and the embedding lookup count 0. The `forward` total of the top-k
+forward pass counts attention as FlopCounterMode does: the full QK^T and AV products over the n
+tokens a block processes, with no causal discount (``2 * 2 * n * n * heads * head_dim`` per
+sequence). The causal-effective attention (only the n(n+1)/2 query-key pairs a causal mask keeps)
+is given separately as `attention_causal`. A routed block processes
+``n = capacity_tokens(capacity, seq_len)`` tokens in top-k mode.
+
+Training is forward + backward: a matmul's backward computes the gradients of both its inputs,
+twice its forward FLOPs, except where an input needs none: the predictor reads a detached stream,
+so its first layer's backward only computes the weight gradient.
+
+Decode is an expectation per generated token at a given context length, from the share of tokens
+that take each routed layer (`take_rate`, the capacity by default): a routed layer costs its router
+(and predictor) always, and its block and attention over the keys it caches only when taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .config import MoDConfig
+
+
+@dataclass
+class LayerFlops:
+    """FLOPs of one layer for one forward pass over a batch (top-k routing)."""
+
+    layer: int
+    kind: str  # "D" dense or "R" routed
+    tokens: int  # tokens the block processes per sequence (the attention sub-block's, staggered)
+    matmul: float  # q/k/v/o projections and the MLP
+    attention: float  # QK^T and AV, full products (FlopCounterMode's count)
+    attention_causal: float  # QK^T and AV over the query-key pairs a causal mask keeps
+    router: float
+    predictor: float
+
+    @property
+    def forward(self) -> float:
+        return self.matmul + self.attention + self.router + self.predictor
+
+
+@dataclass
+class FlopReport:
+    config: MoDConfig
+    seq_len: int
+    batch_size: int
+    layers: list[LayerFlops]
+    lm_head: float
+    embedding: float = 0.0  # a lookup
+    take_rate: list[float] = field(default_factory=list)  # per routed layer, for decode
+    decode_context: int = 0
+    decode_per_token: float = 0.0
+    kv_bytes_per_token: float = 0.0  # bytes per token of context, all layers
+    bytes_per_element: int = 2
+    dense: FlopReport | None = None
+
+    @property
+    def forward(self) -> float:
+        """Top-k forward pass, counted as FlopCounterMode counts it."""
+        return sum(lf.forward for lf in self.layers) + self.lm_head + self.embedding
+
+    @property
+    def forward_causal(self) -> float:
+        """The forward pass with only the causal half of each attention product."""
+        return self.forward - sum(lf.attention - lf.attention_causal for lf in self.layers)
+
+    @property
+    def train(self) -> float:
+        """One training step's forward + backward (see the module docstring)."""
+        predictor_fc1 = sum(lf.predictor for lf in self.layers) * self._predictor_fc1_share
+        return 3 * self.forward - predictor_fc1
+
+    @property
+    def forward_per_token(self) -> float:
+        return self.forward / (self.batch_size * self.seq_len)
+
+    @property
+    def _predictor_fc1_share(self) -> float:
+        d, h = self.config.d_model, self.config.predictor_hidden
+        return d * h / (d * h + h) if self.config.causal_router == "predictor" else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "forward": self.forward,
+            "forward_causal": self.forward_causal,
+            "forward_per_token": self.forward_per_token,
+            "train": self.train,
+            "lm_head": self.lm_head,
+            "embedding": self.embedding,
+            "decode_context": self.decode_context,
+            "decode_per_token": self.decode_per_token,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "take_rate": self.take_rate,
+            "layers": [{**asdict(lf), "forward": lf.forward} for lf in self.layers],
+        }
+        if self.dense is not None:
+            out["dense"] = self.dense.to_dict()
+        return out
+
+
+def _projection_flops(cfg: MoDConfig) -> float:
+    """Per token: 2 * (multiply-adds of wqkv, wo, w13 and w2)."""
+    d, hd, h, hkv, f = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
+    return 2 * (d * (h + 2 * hkv) * hd + h * hd * d + d * 2 * f + f * d)
+
+
+def _router_flops(cfg: MoDConfig) -> tuple[float, float]:
+    """Per token and router: the router's x @ w, and the predictor's two layers."""
+    d, hp = cfg.d_model, cfg.predictor_hidden
+    predictor = 2 * (d * hp + hp) if cfg.causal_router == "predictor" else 0.0
+    return 2 * d, predictor
+
+
+def estimate_flops(
+    config: MoDConfig,
+    seq_len: int,
+    batch_size: int = 1,
+    *,
+    take_rate: float | list[float] | None = None,
+    decode_context: int | None = None,
+    bytes_per_element: int = 2,
+    with_dense: bool = True,
+) -> FlopReport:
+    """FLOPs of `config` on `batch_size` sequences of `seq_len` tokens, per layer and in total.
+
+    `take_rate`: share of generated tokens that take each routed layer, for the decode figures
+    (default: the capacity). `decode_context`: context length of the decode estimate (default:
+    `seq_len`). `bytes_per_element`: of the KV cache (2 for bf16). With `with_dense`, the dense
+    twin's report is attached as `.dense`.
+    """
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+    cfg, B, T = config, batch_size, seq_len
+    n_routed = len(cfg.routed_layers)
+    if take_rate is None:
+        takes = [cfg.capacity] * n_routed
+    elif isinstance(take_rate, int | float):
+        takes = [float(take_rate)] * n_routed
+    else:
+        takes = [float(t) for t in take_rate]
+    if len(takes) != n_routed or not all(0 <= t <= 1 for t in takes):
+        raise ValueError(
+            f"take_rate must be one share in [0, 1] or one per routed layer ({n_routed}), "
+            f"got {take_rate!r}"
+        )
+    context = seq_len if decode_context is None else decode_context
+    proj = _projection_flops(cfg)
+    router_tok, predictor_tok = _router_flops(cfg)
+    head_width = cfg.n_heads * cfg.head_dim
+    n_routers = 1 if cfg.routing == "joint" else 2
+    kv_per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * bytes_per_element
+
+    layers: list[LayerFlops] = []
+    decode, kv_bytes = 0.0, 0.0
+    take_iter = iter(takes)
+    for i, kind in enumerate(cfg.layer_kinds):
+        n = T if kind == "D" else cfg.capacity_tokens(T)
+        routed = kind == "R"
+        layers.append(
+            LayerFlops(
+                layer=i,
+                kind=kind,
+                tokens=n,
+                # In staggered routing each sub-block takes its own k = capacity_tokens(T) tokens.
+                matmul=B * n * proj,
+                attention=B * 4 * head_width * n * n,
+                attention_causal=B * 4 * head_width * n * (n + 1) / 2,
+                router=B * T * router_tok * n_routers if routed else 0.0,
+                predictor=B * T * predictor_tok * n_routers if routed else 0.0,
+            )
+        )
+        p = next(take_iter) if routed else 1.0
+        # One new token: its projections, and attention over the keys this layer caches.
+        decode += p * (proj + 4 * head_width * p * context)
+        if routed:  # every token asks the router(s); staggered sub-blocks share the rate
+            decode += n_routers * (router_tok + predictor_tok)
+        kv_bytes += p * kv_per_token_layer
+    lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
+    report = FlopReport(
+        config=cfg,
+        seq_len=T,
+        batch_size=B,
+        layers=layers,
+        lm_head=B * T * lm_head_tok,
+        take_rate=takes,
+        decode_context=context,
+        decode_per_token=decode + lm_head_tok,
+        kv_bytes_per_token=kv_bytes,
+        bytes_per_element=bytes_per_element,
+    )
+    if with_dense and not cfg.is_dense:
+        report.dense = estimate_flops(
+            cfg.dense_twin(),
+            seq_len,
+            batch_size,
+            decode_context=context,
+            bytes_per_element=bytes_per_element,
+            with_dense=False,
+        )
+    return report
+
+
+def format_report(report: FlopReport) -> str:
+    """A human table: per layer, totals, and the dense twin beside the model."""
+
+    def g(x: float) -> str:
+        return f"{x / 1e9:10.3f}"
+
+    cfg = report.config
+    lines = [
+        f"FLOPs (GFLOP) for batch {report.batch_size} x {report.seq_len} tokens, top-k forward, "
+        f"layers {cfg.layer_kinds}, capacity {cfg.capacity}, routing {cfg.routing}",
+        f"{'layer':>5} {'kind':>4} {'tokens':>6} {'matmul':>10} {'attention':>10} "
+        f"{'attn causal':>11} {'router':>10} {'predictor':>10} {'forward':>10}",
+    ]
+    for lf in report.layers:
+        lines.append(
+            f"{lf.layer:>5} {lf.kind:>4} {lf.tokens:>6} {g(lf.matmul)} {g(lf.attention)} "
+            f"{g(lf.attention_causal):>11} {g(lf.router)} {g(lf.predictor)} {g(lf.forward)}"
+        )
+    lines.append(f"{'':>5} {'head':>4} {'':>6} {g(report.lm_head)}   (LM head; embedding 0)")
+    rows = [
+        ("forward (as FlopCounterMode)", report.forward, "forward"),
+        ("forward, causal attention", report.forward_causal, "forward_causal"),
+        ("training step (fwd + bwd)", report.train, "train"),
+        ("forward per token", report.forward_per_token, "forward_per_token"),
+        (
+            f"decode per token @ {report.decode_context}",
+            report.decode_per_token,
+            "decode_per_token",
+        ),
+    ]
+    d = report.dense
+    lines.append("")
+    lines.append(f"{'total':<30} {'this model':>14} {'dense twin':>14} {'ratio':>8}")
+    for label, value, attr in rows:
+        if d is None:
+            lines.append(f"{label:<30} {value:>14.4g}")
+        else:
+            dv = getattr(d, attr)
+            lines.append(f"{label:<30} {value:>14.4g} {dv:>14.4g} {value / dv:>8.3f}")
+    kv = report.kv_bytes_per_token
+    if d is None:
+        lines.append(f"{'KV-cache bytes per token':<30} {kv:>14.4g}")
+    else:
+        lines.append(
+            f"{'KV-cache bytes per token':<30} {kv:>14.4g} {d.kv_bytes_per_token:>14.4g} "
+            f"{kv / d.kv_bytes_per_token:>8.3f}"
+        )
+    if report.take_rate:
+        lines.append("decode assumes take-rates " + ", ".join(f"{t:.1%}" for t in report.take_rate))
+    return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""Analytic FLOPs against torch's own FlopCounterMode on the same model and input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from mixture_of_depths import MoDConfig, MoDTransformer
+from mixture_of_depths.flops import estimate_flops, format_report
+
+BASE = dict(
+    vocab_size=97,
+    d_model=48,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    max_seq_len=64,
+    predictor_hidden=16,
+)
+
+
+def counted(model: MoDTransformer, idx: torch.Tensor, backward: bool = False) -> int:
+    # On the CPU the fused flash kernel counts as 0: the math backend's matmuls are countable.
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        out = model(idx, idx)
+        if backward:
+            out.loss.backward()  # the aux loss too: it trains the predictor
+    return fc.get_total_flops()
+
+
+CASES = [
+    dict(layer_pattern="D"),
+    dict(layer_pattern="DR", capacity=0.125),
+    dict(layer_pattern="DR", capacity=0.5, routing="staggered"),
+    dict(layer_pattern="R", capacity=0.25, causal_router="predictor"),
+    dict(layer_pattern="RRD", capacity=1.0, routing="staggered", causal_router="predictor"),
+    dict(layer_pattern="DR", capacity=0.01),  # k = 0 on these lengths
+]
+
+
+@pytest.mark.parametrize("over", CASES, ids=[str(c) for c in CASES])
+@pytest.mark.parametrize("T", [40, 64])
+def test_forward_equals_flop_counter(over, T):
+    cfg = MoDConfig(**{**BASE, **over})
+    model = MoDTransformer(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (3, T), generator=torch.Generator().manual_seed(0))
+    want = counted(model, idx)
+    got = estimate_flops(cfg, T, batch_size=3).forward
+    assert got == pytest.approx(want, rel=0.01), (got, want)
+
+
+@pytest.mark.parametrize("over", CASES[1:4], ids=[str(c) for c in CASES[1:4]])
+def test_training_step_equals_flop_counter(over):
+    cfg = MoDConfig(**{**BASE, **over})
+    model = MoDTransformer(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    want = counted(model, idx, backward=True)
+    got = estimate_flops(cfg, 48, batch_size=2).train
+    assert got == pytest.approx(want, rel=0.01), (got, want)
+
+
+def test_routed_weight_flops_are_capacity_share_and_dense_twin_attached():
+    """Every other block at 12.5%: projections cost (1 + 1/8) / 2 = 9/16 of the dense twin's."""
+    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "capacity": 0.125, "max_seq_len": 256})
+    rep = estimate_flops(cfg, 256)
+    assert rep.dense is not None and rep.dense.dense is None
+    mm = sum(lf.matmul for lf in rep.layers) / sum(lf.matmul for lf in rep.dense.layers)
+    assert mm == pytest.approx(9 / 16)
+    # Attention of a routed block shrinks as (k/T)^2.
+    assert rep.layers[1].attention == pytest.approx(rep.dense.layers[1].attention / 64)
+    assert rep.kv_bytes_per_token == pytest.approx(rep.dense.kv_bytes_per_token * 9 / 16)
+    assert rep.forward_causal < rep.forward
+    text = format_report(rep)
+    assert "dense twin" in text and "KV-cache bytes per token" in text
+
+
+def test_decode_expectation_follows_take_rate():
+    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR"})
+    none = estimate_flops(cfg, 64, take_rate=0.0)
+    full = estimate_flops(cfg, 64, take_rate=1.0)
+    # Taking every token costs the dense twin's decode plus the routers.
+    routers = 2 * cfg.d_model * len(cfg.routed_layers)
+    assert full.decode_per_token == pytest.approx(full.dense.decode_per_token + routers)
+    assert none.decode_per_token < full.decode_per_token
+    with pytest.raises(ValueError, match="take_rate"):
+        estimate_flops(cfg, 64, take_rate=[0.1])
+    with pytest.raises(ValueError, match="seq_len"):
+        estimate_flops(cfg, 0)
+
+
+def test_mod_flops_cli(capsys):
+    import json
+
+    from mixture_of_depths.cli import main
+
+    assert main(["flops", "--preset", "tiny", "--seq-len", "64", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    cfg = MoDConfig.preset("tiny")
+    assert rep["forward"] == estimate_flops(cfg, 64).forward
+    assert rep["dense"]["forward"] > rep["forward"]
+    assert main(["flops", "--preset", "tiny", "--capacity", "0.5"]) == 0
+    assert "capacity 0.5" in capsys.readouterr().out
