@@ -5,6 +5,7 @@ No golden numbers: every expected value is recomputed here (tests/reference.py i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -572,3 +573,29 @@ def test_routers_run_in_float32_under_bf16_autocast():
     assert out.logits.dtype == torch.bfloat16  # the rest does run in bf16
     for r in out.routes:
         assert r.logits.dtype == torch.float32 and r.predictor_logits.dtype == torch.float32
+
+
+def test_random_routing_ablation_is_topk_on_noise_with_unit_gate():
+    """router_scores="random": exactly k tokens per row, chosen by noise, gate 1. At capacity 1.0
+    every token takes every block, so the model equals its dense twin with the same weights."""
+    cfg = MoDConfig(
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=32,
+        layer_pattern="R",
+        router_scores="random",
+        capacity=1.0,
+    )
+    model = MoDTransformer(cfg).double()
+    dense = MoDTransformer(cfg.dense_twin()).double()
+    dense.load_state_dict(model.state_dict(), strict=False)
+    idx = torch.randint(0, cfg.vocab_size, (2, 20))
+    torch.testing.assert_close(model(idx).logits, dense(idx).logits, rtol=0, atol=1e-12)
+    half = MoDTransformer(dataclasses.replace(cfg, capacity=0.5))
+    torch.manual_seed(0)
+    masks_a = [r.mask for r in half(idx).routes]
+    torch.manual_seed(1)
+    masks_b = [r.mask for r in half(idx).routes]
+    assert all((m.sum(1) == 10).all() for m in masks_a)
+    assert any(not torch.equal(a, b) for a, b in zip(masks_a, masks_b, strict=True))

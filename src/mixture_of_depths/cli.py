@@ -160,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument_group("model (MoDConfig fields)"), MoDConfig, skip={"max_seq_len"}
     )
 
+    p = sub.add_parser(
+        "study",
+        help="the isoFLOP study: MoD against dense at equal training FLOPs (resumable)",
+        description="Train dense and MoD models of several sizes to fixed training-FLOP budgets, "
+        "plus ablations, and write results.jsonl, report.md and plots. Rerun to resume.",
+    )
+    p.add_argument(
+        "--out", default="docs/study", help="results, report, plots (default: %(default)s)"
+    )
+    p.add_argument("--work", default="runs/study", help="run folders (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
+    p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
     p = sub.add_parser("presets", help="list the model presets")
     p.add_argument("--json", action="store_true")
     return parser
@@ -356,6 +371,21 @@ def cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from .study import study
+
+    results = study(
+        args.out,
+        args.work,
+        quick=args.quick,
+        data=args.data,
+        keep_checkpoints=args.keep_checkpoints,
+        progress=not args.no_progress,
+    )
+    print(f"{len(results)} runs in {args.out}/results.jsonl; report: {args.out}/report.md")
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from .model import MoDTransformer
 
@@ -388,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
         "generate": cmd_generate,
         "flops": cmd_flops,
+        "study": cmd_study,
         "presets": cmd_presets,
     }
     try:

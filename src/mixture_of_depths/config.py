@@ -19,6 +19,7 @@ from typing import Any
 ROUTING_MODES = ("joint", "staggered")
 ROUTER_GATES = ("raw", "sigmoid")
 CAUSAL_ROUTERS = ("aux_loss", "predictor")
+ROUTER_SCORES = ("learned", "random")
 
 
 def capacity_tokens(capacity: float, seq_len: int) -> int:
@@ -54,6 +55,8 @@ class MoDConfig:
     routing: str = "joint"
     router_gate: str = "sigmoid"
     causal_router: str = "aux_loss"
+    # "random": top-k on fresh N(0, 1) scores with a unit gate, the baseline for learned routing.
+    router_scores: str = "learned"
     aux_loss_weight: float = 0.1
     predictor_hidden: int = 64
     tie_embeddings: bool = True
@@ -108,6 +111,7 @@ class MoDConfig:
             ("routing", ROUTING_MODES),
             ("router_gate", ROUTER_GATES),
             ("causal_router", CAUSAL_ROUTERS),
+            ("router_scores", ROUTER_SCORES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -268,6 +268,8 @@ class Block(nn.Module):
 
     def router_weight(self, kind: str, x_BTD: Tensor) -> Tensor:
         """The raw router weight r = x @ w (B, T), in at least float32."""
+        if self.cfg.router_scores == "random":  # ablation: scores that know nothing
+            return torch.randn(x_BTD.shape[:-1], device=x_BTD.device)
         return _linear32(x_BTD, self.router[kind]).squeeze(-1)
 
     def router_logits(self, kind: str, x_BTD: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -281,6 +283,8 @@ class Block(nn.Module):
 
     def gate(self, r: Tensor, like: Tensor) -> Tensor:
         """g(r) in the dtype of the stream `like`, so the update keeps the stream's dtype."""
+        if self.cfg.router_scores == "random":
+            return torch.ones_like(r, dtype=like.dtype)
         return (torch.sigmoid(r) if self.cfg.router_gate == "sigmoid" else r).to(like.dtype)
 
     def forward(

@@ -1,0 +1,372 @@
+"""`mod study`: the isoFLOP study. Does MoD beat dense at equal training compute?
+
+At each training-FLOP budget, dense and MoD models (capacity 12.5%, every other block routed) of
+several sizes are each trained for exactly as many steps as the budget buys, counted by
+`estimate_flops(...).train`. At the middle budget, ablations of the middle MoD model: capacity,
+every block routed, random routing, raw gate, predictor. The two best models of each budget are
+trained again with a second seed, to show the seed spread beside the differences.
+
+Every finished run is appended to ``<out>/results.jsonl``; each run trains in its own folder under
+``<work>`` with checkpoints, so an interrupted study resumes where it stopped: finished runs are
+skipped, an unfinished one continues from its last checkpoint. The report (``report.md``) and plots
+are rewritten from ``results.jsonl`` after every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .checkpoint import atomic_write_text
+from .config import MoDConfig
+from .flops import estimate_flops
+from .train import TrainConfig, train
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    budgets: tuple[float, ...]
+    sizes: tuple[tuple[str, dict[str, Any]], ...]  # (label, MoDConfig overrides)
+    seq_len: int
+    batch_size: int
+    eval_every_runs: int  # evaluations per run (the last one at the end)
+    eval_batches: int
+    base: dict[str, Any]
+
+
+FULL = StudySettings(
+    budgets=(6e12, 1.9e13, 6e13),
+    sizes=(
+        ("S", dict(d_model=128, n_layers=4, n_heads=4)),
+        ("M", dict(d_model=192, n_layers=6, n_heads=6)),
+        ("L", dict(d_model=256, n_layers=8, n_heads=8)),
+    ),
+    seq_len=256,
+    batch_size=16,
+    eval_every_runs=2,
+    eval_batches=8,
+    base=dict(max_seq_len=256),
+)
+
+QUICK = StudySettings(
+    budgets=(2e9, 6e9, 2e10),
+    sizes=(
+        ("S", dict(d_model=32, n_layers=2, n_heads=2)),
+        ("M", dict(d_model=48, n_layers=2, n_heads=2)),
+    ),
+    seq_len=32,
+    batch_size=4,
+    eval_every_runs=1,
+    eval_batches=1,
+    base=dict(max_seq_len=32, predictor_hidden=16),
+)
+
+MOD = dict(layer_pattern="DR", capacity=0.125)
+DENSE = dict(layer_pattern="D")
+ABLATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("capacity 25%", dict(capacity=0.25)),
+    ("capacity 50%", dict(capacity=0.5)),
+    ("every block routed", dict(layer_pattern="R")),
+    ("random routing", dict(router_scores="random")),
+    ("raw gate", dict(router_gate="raw")),
+    ("predictor", dict(causal_router="predictor")),
+)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    group: str  # "isoflop", "ablation" or "seed"
+    label: str
+    budget: float
+    model: dict[str, Any]
+    seed: int = 0
+
+
+def _budget_tag(b: float) -> str:
+    return f"{b:.0e}".replace("+", "")
+
+
+def plan(settings: StudySettings) -> list[RunSpec]:
+    """The isoFLOP grid and the ablations (second seeds are planned once their budget is done)."""
+    specs = []
+    for budget in settings.budgets:
+        for size, shape in settings.sizes:
+            for arch, over in (("dense", DENSE), ("MoD", MOD)):
+                specs.append(
+                    RunSpec(
+                        name=f"{_budget_tag(budget)}-{arch}-{size}-s0",
+                        group="isoflop",
+                        label=f"{arch} {size}",
+                        budget=budget,
+                        model={**settings.base, **shape, **over},
+                    )
+                )
+    mid = settings.budgets[len(settings.budgets) // 2]
+    size, shape = settings.sizes[len(settings.sizes) // 2]
+    for label, over in ABLATIONS:
+        tag = label.replace(" ", "-").replace("%", "")
+        specs.append(
+            RunSpec(
+                name=f"{_budget_tag(mid)}-abl-{tag}-{size}-s0",
+                group="ablation",
+                label=f"MoD {size}, {label}",
+                budget=mid,
+                model={**settings.base, **shape, **MOD, **over},
+            )
+        )
+    return specs
+
+
+def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
+    """Second seeds for the two best isoFLOP runs of a budget (by the honest, causal loss)."""
+    runs = [r for r in results if r["group"] == "isoflop" and r["budget"] == budget]
+    best = sorted(runs, key=lambda r: r["val_loss_causal"])[:2]
+    return [
+        RunSpec(
+            name=r["name"][: -len("-s0")] + "-s1",
+            group="seed",
+            label=r["label"],
+            budget=budget,
+            model=r["model"],
+            seed=1,
+        )
+        for r in best
+    ]
+
+
+def run_one(
+    spec: RunSpec, settings: StudySettings, work: Path, data: str | None, progress: bool = False
+) -> dict:
+    cfg = MoDConfig(**spec.model)
+    per_step = estimate_flops(cfg, settings.seq_len, settings.batch_size, with_dense=False)
+    steps = max(1, math.floor(spec.budget / per_step.train))
+    out = work / spec.name
+    tc = TrainConfig(
+        out=str(out),
+        data=data,
+        batch_size=settings.batch_size,
+        seq_len=settings.seq_len,
+        steps=steps,
+        warmup_steps=max(1, min(50, steps // 10)),
+        eval_every=max(1, steps // settings.eval_every_runs),
+        eval_batches=settings.eval_batches,
+        log_every=max(1, min(10, steps)),
+        seed=spec.seed,
+    )
+    resume = (out / "checkpoint" / "config.json").exists()
+    t0 = time.perf_counter()
+    summary = train(
+        None if resume else cfg, tc, resume=resume, overwrite=not resume, progress=progress
+    )
+    acc = summary["routing_accuracy"]
+    return {
+        **dataclasses.asdict(spec),
+        "steps": steps,
+        "tokens": summary["tokens"],
+        "params": summary["params"],
+        "flops_budget_used": steps * per_step.train,
+        "flops_per_forward_token": per_step.forward_per_token,
+        "val_loss_topk": summary["val_loss_topk"],
+        "val_loss_causal": summary["val_loss_causal"],
+        "routing_accuracy": acc,
+        "routing_accuracy_mean": sum(acc.values()) / len(acc) if acc else None,
+        "causal_take_rate": summary["causal_take_rate"],
+        "train_time_s": summary["train_time_s"],
+        "tokens_per_s": summary["tokens"] / max(summary["train_time_s"], 1e-9),
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def load_results(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut short by a crash
+            continue
+    return rows
+
+
+def study(
+    out: str | Path = "docs/study",
+    work: str | Path = "runs/study",
+    quick: bool = False,
+    data: str | None = None,
+    keep_checkpoints: bool = False,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Run (or resume) the study; returns all results and writes the report and plots."""
+    settings = QUICK if quick else FULL
+    out, work = Path(out), Path(work)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    results = load_results(results_path)
+    done = {r["name"] for r in results}
+    specs = plan(settings)
+    n_total = len(specs) + 2 * len(settings.budgets)
+    bar = tqdm(total=n_total, initial=len(done), desc="study", unit="run", disable=not progress)
+    pending = list(specs)
+    seeded: set[float] = set()
+    while pending:
+        spec = pending.pop(0)
+        if spec.name not in done:
+            bar.set_postfix_str(spec.name)
+            row = run_one(spec, settings, work, data, progress)
+            with results_path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            results.append(row)
+            done.add(spec.name)
+            bar.update(1)
+            write_report(results, out, settings)
+            if not keep_checkpoints:
+                shutil.rmtree(work / spec.name, ignore_errors=True)
+        for budget in settings.budgets:  # a budget's isoFLOP runs done: plan its second seeds
+            grid = [s for s in specs if s.group == "isoflop" and s.budget == budget]
+            if budget not in seeded and all(s.name in done for s in grid):
+                seeded.add(budget)
+                pending.extend(seed_specs(results, budget))
+    bar.close()
+    write_report(results, out, settings)
+    return results
+
+
+# -- report ---------------------------------------------------------------------------------------
+def _fmt_row(r: dict[str, Any]) -> str:
+    acc = r.get("routing_accuracy_mean")
+    return (
+        f"| {r['label']} | {r['seed']} | {r['params'] / 1e6:.2f}M | "
+        f"{r['flops_per_forward_token'] / 1e6:.2f}M | {r['steps']} | {r['tokens'] / 1e6:.2f}M | "
+        f"{r['val_loss_topk']:.4f} | {r['val_loss_causal']:.4f} | "
+        f"{'' if acc is None else f'{acc:.1%}'} | {r['tokens_per_s']:,.0f} |"
+    )
+
+
+_HEADER = (
+    "| model | seed | params | FLOPs/fwd token | steps | tokens | val loss top-k | "
+    "val loss causal | routing acc. | train tok/s |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettings) -> None:
+    intro = [
+        "# isoFLOP study: MoD against dense at equal training compute",
+        "",
+        f"Default corpus, byte tokenizer, sequences of {settings.seq_len} tokens, batch "
+        f"{settings.batch_size}. Each run trains for floor(budget / training FLOPs per step) "
+        "steps, FLOPs from `mixture_of_depths.flops.estimate_flops`. Losses are validation "
+        "losses in nats per token; MoD runs are judged by the causal loss, the one generation "
+        "gets. Generated by `mod study`; plots: `isoflop.png`, `ablations.png`.",
+        "",
+    ]
+    headline = [
+        "## Headline",
+        "",
+        "| budget (FLOPs) | best dense | loss | best MoD | loss (causal) | MoD below dense |",
+        "|---|---|---|---|---|---|",
+    ]
+    body: list[str] = []
+    for budget in sorted({r["budget"] for r in results}):
+        rows = [r for r in results if r["budget"] == budget and r["group"] in ("isoflop", "seed")]
+        body += [f"## Budget {budget:.1e} FLOPs", "", _HEADER]
+        body += [_fmt_row(r) for r in sorted(rows, key=lambda r: (r["label"], r["seed"]))]
+        body.append("")
+        dense = [r for r in rows if r["model"].get("layer_pattern") == "D"]
+        mod = [r for r in rows if r["model"].get("layer_pattern") != "D"]
+        if dense and mod:
+            bd = min(dense, key=lambda r: r["val_loss_topk"])
+            bm = min(mod, key=lambda r: r["val_loss_causal"])
+            gain = (bd["val_loss_topk"] - bm["val_loss_causal"]) / bd["val_loss_topk"]
+            headline.append(
+                f"| {budget:.1e} | {bd['label']} | {bd['val_loss_topk']:.4f} | {bm['label']} | "
+                f"{bm['val_loss_causal']:.4f} | {gain:+.2%} |"
+            )
+        spread = _seed_spread(rows)
+        if spread:
+            body += [f"Seed spread (|seed 0 - seed 1| of the causal loss): {spread}", ""]
+    ablations = [r for r in results if r["group"] == "ablation"]
+    if ablations:
+        body += ["## Ablations at the middle budget", "", _HEADER]
+        body += [_fmt_row(r) for r in ablations]
+        body.append("")
+    atomic_write_text(out / "report.md", "\n".join([*intro, *headline, "", *body]) + "\n")
+    try:
+        _plots(results, out)
+    except Exception as exc:  # plots are a convenience; the results are already saved
+        print(f"note: plots failed: {exc!r}")
+
+
+def _seed_spread(rows: list[dict[str, Any]]) -> str:
+    by_label: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by_label.setdefault(r["label"], {})[r["seed"]] = r["val_loss_causal"]
+    gaps = [f"{lab} {abs(s[0] - s[1]):.4f}" for lab, s in by_label.items() if 0 in s and 1 in s]
+    return ", ".join(gaps)
+
+
+def _plots(results: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    iso = [r for r in results if r["group"] == "isoflop"]
+    if iso:
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+        for i, budget in enumerate(sorted({r["budget"] for r in iso})):
+            color = f"C{i}"
+            for arch, style, key in (
+                ("dense", "o-", "val_loss_topk"),
+                ("MoD", "s--", "val_loss_causal"),
+            ):
+                rows = sorted(
+                    (r for r in iso if r["budget"] == budget and r["label"].startswith(arch)),
+                    key=lambda r: r["params"],
+                )
+                if rows:
+                    ax.plot(
+                        [r["params"] for r in rows],
+                        [r[key] for r in rows],
+                        style,
+                        color=color,
+                        label=f"{arch} @ {budget:.0e}",
+                    )
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel("validation loss (MoD: causal)")
+        ax.set_title("isoFLOP curves: loss against size at fixed training FLOPs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "isoflop.png")
+        plt.close(fig)
+    abl = [r for r in results if r["group"] == "ablation"]
+    if abl:
+        mid = abl[0]["budget"]
+        ref = [r for r in iso if r["budget"] == mid and r["label"].startswith("MoD")]
+        base = [r for r in ref if r["model"]["d_model"] == abl[0]["model"]["d_model"]]
+        rows = base + abl
+        fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
+        names = [r["label"].split(", ")[-1] if ", " in r["label"] else "baseline" for r in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["val_loss_topk"] for r in rows], 0.4, label="top-k")
+        ax.bar([i + 0.2 for i in x], [r["val_loss_causal"] for r in rows], 0.4, label="causal")
+        ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+        lo = min(min(r["val_loss_topk"], r["val_loss_causal"]) for r in rows)
+        ax.set_ylim(lo * 0.97, None)
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"ablations at {mid:.0e} FLOPs")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ablations.png")
+        plt.close(fig)
