@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,31 +50,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_save_tensors(
-    path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None
-) -> None:
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """`write(tmp)` into a temp file beside `path`, fsync it, then rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata)
+        write(tmp)
         with open(tmp, "rb+") as f:  # on disk before the rename makes it visible
             os.fsync(f.fileno())
         os.chmod(tmp, _umask_mode())
@@ -81,6 +65,17 @@ def atomic_save_tensors(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def atomic_save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None
+) -> None:
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    _atomic_write(path, lambda tmp: save_file(cpu, tmp, metadata))
 
 
 def write_json(path: Path, obj: Any) -> None:
