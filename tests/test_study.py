@@ -20,7 +20,9 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path):
     data.mkdir()
     for i in range(6):
         (data / f"f{i}.py").write_text(f"def f(x):\n    return x * {i}\n" * 200)
-    settings = dataclasses.replace(st.QUICK, budgets=(1e9, 3e9), sizes=st.QUICK.sizes[:1])
+    settings = dataclasses.replace(
+        st.QUICK, budgets=(1e9, 3e9), sizes=st.QUICK.sizes[:1], ablation_size=st.QUICK.sizes[0][0]
+    )
     monkeypatch.setattr(st, "QUICK", settings)
     monkeypatch.setattr(st, "ABLATIONS", st.ABLATIONS[:2])
     return settings, str(data)

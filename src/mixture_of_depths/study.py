@@ -40,13 +40,16 @@ class StudySettings:
     eval_every_runs: int  # evaluations per run (the last one at the end)
     eval_batches: int
     base: dict[str, Any]
+    ablation_size: str  # the size label the ablations vary
 
 
 # Sizes bracket the compute-optimal size of these budgets (N ~ sqrt(C / 120) is 0.2M-0.6M
-# parameters), so each isoFLOP curve can show its minimum. About two hours on 2 CPU cores.
+# parameters), so each isoFLOP curve can show its minimum. About two and a half hours on 2 CPU
+# cores; the ablations use the middle size (M).
 FULL = StudySettings(
     budgets=(5e12, 1.6e13, 5e13),
     sizes=(
+        ("XXS", dict(d_model=48, n_layers=3, n_heads=3)),
         ("XS", dict(d_model=64, n_layers=4, n_heads=4)),
         ("S", dict(d_model=96, n_layers=4, n_heads=4)),
         ("M", dict(d_model=128, n_layers=4, n_heads=4)),
@@ -57,6 +60,7 @@ FULL = StudySettings(
     eval_every_runs=2,
     eval_batches=8,
     base=dict(max_seq_len=256),
+    ablation_size="M",
 )
 
 QUICK = StudySettings(
@@ -70,6 +74,7 @@ QUICK = StudySettings(
     eval_every_runs=1,
     eval_batches=1,
     base=dict(max_seq_len=32, predictor_hidden=16),
+    ablation_size="M",
 )
 
 MOD = dict(layer_pattern="DR", capacity=0.125)
@@ -114,7 +119,7 @@ def plan(settings: StudySettings) -> list[RunSpec]:
                     )
                 )
     mid = settings.budgets[len(settings.budgets) // 2]
-    size, shape = settings.sizes[len(settings.sizes) // 2]
+    size, shape = next(sz for sz in settings.sizes if sz[0] == settings.ablation_size)
     for label, over in ABLATIONS:
         tag = label.replace(" ", "-").replace("%", "")
         specs.append(
