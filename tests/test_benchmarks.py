@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,21 +21,29 @@ ROOT = Path(__file__).resolve().parents[1]
             [
                 "--preset",
                 "tiny",
-                "--steps",
+                "--seq-lens",
+                "32",
+                "--tokens",
+                "64",
+                "--capacities",
+                "1.0,0.125",
+                "--repeats",
                 "1",
                 "--warmup",
-                "1",
-                "--batch-size",
-                "2",
-                "--seq-len",
-                "32",
+                "0",
+                "--no-progress",
             ],
-            {"speedup_measured", "speedup_flop_predicted", "cap1_overhead"},
-        ),
+            {"train", "bars", "settings"},
+        ),  # fmt: skip
         (
             "decode.py",
             ["--preset", "tiny", "--prompt-len", "16", "--new-tokens", "4", "--repeats", "1"],
             {"results", "ratios"},
+        ),
+        (
+            "gpu.py",
+            ["--preset", "tiny", "--seq-lens", "32", "--tokens", "64", "--repeats", "1"],
+            {"gpu"} if not torch.cuda.is_available() else {"train", "bars"},
         ),
     ],
 )

@@ -175,6 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
+    from .bench.suite import add_arguments as add_bench_arguments
+
+    p = sub.add_parser(
+        "bench",
+        help="speed and memory, MoD against its dense twin, beside the FLOP-predicted ratios",
+        description="Training step over capacities and lengths, one block, peak memory, decode, "
+        "eager vs compiled; human tables, then one line of JSON.",
+    )
+    add_bench_arguments(p)
+
     p = sub.add_parser("presets", help="list the model presets")
     p.add_argument("--json", action="store_true")
     return parser
@@ -410,6 +420,13 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.suite import run
+
+    run(args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -419,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": cmd_generate,
         "flops": cmd_flops,
         "study": cmd_study,
+        "bench": cmd_bench,
         "presets": cmd_presets,
     }
     try:

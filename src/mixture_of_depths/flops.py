@@ -76,6 +76,12 @@ class FlopReport:
         return 3 * self.forward - predictor_fc1
 
     @property
+    def train_causal(self) -> float:
+        """`train` with only the causal half of each attention product: the work a causal
+        attention kernel that skips masked blocks does, and what speed predictions use."""
+        return self.train - 3 * (self.forward - self.forward_causal)
+
+    @property
     def forward_per_token(self) -> float:
         return self.forward / (self.batch_size * self.seq_len)
 
@@ -92,6 +98,7 @@ class FlopReport:
             "forward_causal": self.forward_causal,
             "forward_per_token": self.forward_per_token,
             "train": self.train,
+            "train_causal": self.train_causal,
             "lm_head": self.lm_head,
             "embedding": self.embedding,
             "decode_context": self.decode_context,

@@ -1,0 +1,613 @@
+"""Decode throughput and KV-cache size: an MoD model against its dense twin of the same size.
+
+Two models are run side by side in one run, on the same seeded random-token prompts:
+
+- ``mod``: the preset with ``layer_pattern="DR"`` at capacity 0.125 (the paper's best), routed
+  causally by its ``predictor`` (or a trained checkpoint with ``--checkpoint``);
+- ``dense``: ``cfg.dense_twin()``, every block dense, otherwise identical.
+
+For each batch size, a prompt of P tokens is prefilled (untimed) into a `KVCache`, then N decode
+steps are run with `decode_step`, each sampling greedily (temperature 0) and feeding a token back;
+only the N decode steps are timed (sampling and the host copy of the tokens included). Models
+are interleaved round-robin (the order rotates every round) so clock drift and other processes
+hit both alike; the median over repeats is reported. Per model and batch size: decode
+tokens/s (batch * N / seconds), the cache's ``nbytes_used`` at the end and ``nbytes_allocated``,
+and the measured share of tokens that took each routed layer.
+
+Untrained routers: a causal router's logit ``r = x @ w`` of a random model is symmetric around 0,
+so about half of the tokens take every routed layer, which no trained MoD model does. By default the
+MoD model is therefore built with ``causal_router="predictor"`` and each predictor's output bias
+is calibrated, layer by layer in order (a layer's input depends on earlier layers' routing), so
+that on a calibration batch of random prompts a share ``capacity`` of the tokens has a predictor
+logit > 0. ``--no-calibrate`` shows the untrained behaviour. Greedy decoding of an untrained model
+repeats the last prompt token forever, so each row would make one routing decision for all its
+steps (take-rates of 0% or 100% per row); by default (``--feed random``) the tokens fed back are
+therefore a seeded random continuation, like the prompts the predictors were calibrated on (the
+greedy token is still computed each step, so the work is the same). With ``--checkpoint DIR`` the
+trained model is used as it is and its greedy tokens are fed back (``--feed greedy``), against a
+dense twin with random weights of the same shapes (its speed does not depend on the weights).
+
+The MoD/dense ratios are printed beside what the work alone allows at the measured take-rates:
+"layers" counts each dense layer as 1 and a routed one as its take-rate (12.5% on DR gives 1.78x
+speed and 0.56x cache), "FLOPs" also counts the lm_head, the routers/predictors and the attention
+over the cached context (`decode_flops`), "bytes" counts the weights and cache read per step
+(`decode_bytes`: small-batch decoding is memory-bound, and at batch 8 a routed layer's weights are
+read whenever any row takes it). DESIGN.md section 4 asks for >= 1.6x the dense tokens/s and
+<= 0.6x its KV cache. On the CPU one thread is the default (``--threads``): decode ops are too
+small to share, and a second thread spin-waiting on a CPU other processes use slows decoding
+several times over.
+
+    python benchmarks/decode.py                  # preset small, prompt 512 + 64 new tokens
+    python benchmarks/decode.py --preset tiny --prompt-len 16 --new-tokens 4 --repeats 1
+    python benchmarks/decode.py --device cuda --preset base --prompt-len 448
+    python benchmarks/decode.py --checkpoint runs/mod-small
+
+The last line printed is one JSON object with every number, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from mixture_of_depths import MoDConfig, MoDTransformer
+from mixture_of_depths.cache import KVCache
+from mixture_of_depths.generate import decode_step, prefill, router_names, sample_next
+from mixture_of_depths.model import rope_tables
+
+from ._common import cpu_snapshot, others_busy
+
+SPEEDUP_BAR = 1.6  # MoD decode tokens/s must reach this multiple of the dense twin's
+CACHE_BAR = 0.6  # MoD KV cache in use must be at most this fraction of the dense twin's
+MIN_CONTEXT = 512  # the context (prompt + new tokens) the bars are meant for
+
+
+def decode_flops(
+    cfg: MoDConfig, take: Sequence[tuple[float, float]], cached: Sequence[float], context: float
+) -> float:
+    """FLOPs to decode one token, given per layer the shares of decoded tokens that run its
+    attention and its MLP (`take`, from `layer_takes`) and the share of the context it caches
+    (`cached`); all 1.0 for a dense layer.
+
+    Per layer: the routers' ``x @ w`` and the predictors' MLP on every token (routed layers);
+    for the tokens that run the attention, 2 FLOPs per multiply-add of its projections (q, k, v, o)
+    and ``QK^T`` and ``AV`` over the ``cached * context`` keys that layer holds; for those that run
+    the MLP, its SwiGLU weights (w1, w3, w2). Plus the lm_head. Norms, RoPE, softmax, sampling and
+    cache copies are not counted.
+    """
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
+    mlp = 3 * d * cfg.d_ff
+    routers = 1 if cfg.routing == "joint" else 2
+    predictor = d * cfg.predictor_hidden + cfg.predictor_hidden
+    flops = 2.0 * d * cfg.vocab_size  # lm_head
+    for kind, (a, m), c in zip(cfg.layer_kinds, take, cached, strict=True):
+        flops += a * (2 * attn + 2 * 2 * cfg.n_heads * hd * c * context) + m * 2 * mlp
+        if kind == "R":
+            flops += 2 * routers * (d + (predictor if cfg.causal_router == "predictor" else 0))
+    return flops
+
+
+def decode_bytes(
+    cfg: MoDConfig,
+    take: Sequence[tuple[float, float]],
+    busy: Sequence[tuple[float, float]],
+    cached: Sequence[float],
+    context: float,
+    batch_size: int,
+    element_size: int,
+) -> float:
+    """Bytes of weights and cache read by one decode step of `batch_size` rows: the memory-bound
+    counterpart of `decode_flops` (small-batch decoding reads more bytes than it does FLOPs).
+
+    A sub-block's weights are read once per step if any row runs it: `busy` holds, per layer, the
+    share of steps in which some row took its attention and its MLP (at batch 1 that is the
+    take-rate, at batch 8 and 12.5% about 1 - 0.875^8 = 66%). Each row that runs a layer's
+    attention reads the ``cached * context`` keys and values that layer holds. Routers and
+    predictors are read every step, and the lm_head. Norm weights and activations are not counted.
+    """
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
+    mlp = 3 * d * cfg.d_ff
+    kv_per_token = 2 * cfg.n_kv_heads * hd
+    routers = 1 if cfg.routing == "joint" else 2
+    predictor = d * cfg.predictor_hidden + 2 * cfg.predictor_hidden + 1
+    n = float(d * cfg.vocab_size)  # lm_head
+    for kind, (a, _), (ba, bm), c in zip(cfg.layer_kinds, take, busy, cached, strict=True):
+        n += ba * attn + bm * mlp + batch_size * a * c * context * kv_per_token
+        if kind == "R":
+            n += routers * (d + (predictor if cfg.causal_router == "predictor" else 0))
+    return n * element_size
+
+
+def layer_takes(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[float, float]]:
+    """Per layer (attention share, MLP share) of the tokens that run it, from per-router shares in
+    `router_names` order: (1, 1) for a dense layer, (r, r) for joint routing, (r_attn, r_mlp)
+    for staggered routing."""
+    takes, it = [], iter(per_router)
+    for kind in cfg.layer_kinds:
+        if kind == "D":
+            takes.append((1.0, 1.0))
+        elif cfg.routing == "joint":
+            r = next(it)
+            takes.append((r, r))
+        else:
+            takes.append((next(it), next(it)))
+    return takes
+
+
+@torch.no_grad()
+def calibrate_predictors(model: MoDTransformer, idx: Tensor) -> list[float]:
+    """Shift each predictor's output bias so that a share `capacity` of the tokens of `idx` has a
+    predictor logit > 0; layer by layer in order, each layer seeing the routing of the calibrated
+    layers before it. Returns the take-rates of a full causal forward afterwards, per router."""
+    cfg = model.config
+    q = 1.0 - cfg.capacity
+    x = model.embed(idx)
+    cos, sin = rope_tables(
+        cfg.head_dim,
+        idx.shape[1],
+        cfg.rope_theta,
+        idx.device,
+        torch.promote_types(x.dtype, torch.float32),
+    )
+    for block in model.blocks:
+        if not block.routed:
+            x, _ = block(x, cos, sin, "causal")
+            continue
+        for kind in block.route_kinds:  # staggered: the MLP router reads the attention's output
+            bias = block.predictor[kind].fc2.bias
+            logits = block.predictor[kind](x)
+            bias.sub_(torch.quantile(logits.float().flatten(), q).to(bias.dtype))
+            x, _ = block.route(kind, x, cos, sin, "causal")
+    routes = model(idx, routing="causal").routes
+    return [r.mask.float().mean().item() for r in routes]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(
+        description="Decode tokens/s and KV-cache bytes of an MoD model vs its dense twin.",
+    )
+    p.add_argument("--preset", default="small", help="MoDConfig preset (default: small)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a trained MoD checkpoint directory to use instead of --preset (its dense "
+        "twin gets random weights: speed only)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=512,
+        help="prompt tokens prefilled before decoding (default: 512)",
+    )
+    p.add_argument(
+        "--new-tokens", type=int, default=64, help="decode steps timed per run (default: 64)"
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="override the preset's max_seq_len (default: the larger of the preset's "
+        "and prompt-len + new-tokens)",
+    )
+    p.add_argument(
+        "--batch-sizes", default="1,8", help="comma-separated batch sizes (default: 1,8)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=9, help="timed runs per model and batch size (default: 9)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed runs per model and batch size (default: 1)"
+    )
+    p.add_argument(
+        "--device",
+        default="cuda" if cuda else "cpu",
+        help="torch device (default: cuda if available, else cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights and cache dtype (default: bfloat16 on cuda, else float32)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default on cpu: 1; decode ops are too small to share, and "
+        "a second thread spin-waiting on a busy CPU slows decoding many times over)",
+    )
+    p.add_argument(
+        "--feed",
+        choices=("greedy", "random"),
+        default=None,
+        help="tokens fed back at each decode step: the greedy (temperature 0) samples, or a "
+        "seeded random continuation (the greedy token is still computed). Default: greedy for a "
+        "checkpoint, random for an untrained preset, whose greedy output repeats the last prompt "
+        "token forever, so each row makes one routing decision for all its steps",
+    )
+    p.add_argument(
+        "--capacity",
+        type=float,
+        default=0.125,
+        help="capacity of the MoD model (default: 0.125; ignored with --checkpoint)",
+    )
+    p.add_argument(
+        "--layer-pattern",
+        default="DR",
+        help="layer pattern of the MoD model (default: DR; ignored with --checkpoint)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="calibrate the untrained predictors' biases to the capacity (default: on "
+        "for a preset, off for a checkpoint)",
+    )
+    p.add_argument(
+        "--calib-rows",
+        type=int,
+        default=8,
+        help="random prompts of --prompt-len tokens to calibrate on (default: 8)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts (default: 0)")
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        p.error("--batch-sizes must list integers >= 1")
+    for name in ("prompt_len", "new_tokens", "repeats", "calib_rows"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    if args.calibrate is None:
+        args.calibrate = args.checkpoint is None
+    if args.feed is None:
+        args.feed = "greedy" if args.checkpoint else "random"
+    if args.threads is None and torch.device(args.device).type == "cpu":
+        args.threads = 1
+    return args
+
+
+def build_models(
+    args: argparse.Namespace, context: int, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, MoDTransformer], dict[str, MoDConfig]]:
+    if args.checkpoint is not None:
+        from mixture_of_depths.checkpoint import load_model
+
+        mod, mod_cfg = load_model(args.checkpoint, map_location=device)
+        if context > mod_cfg.max_seq_len:
+            raise SystemExit(
+                f"prompt-len + new-tokens = {context} is more than the checkpoint's "
+                f"max_seq_len={mod_cfg.max_seq_len}; shorten --prompt-len or --new-tokens"
+            )
+    else:
+        base = MoDConfig.preset(args.preset)
+        max_seq_len = args.max_seq_len or max(base.max_seq_len, context)
+        if context > max_seq_len:
+            raise SystemExit(
+                f"prompt-len + new-tokens = {context} is more than max_seq_len={max_seq_len}"
+            )
+        mod_cfg = MoDConfig.preset(
+            args.preset,
+            max_seq_len=max_seq_len,
+            layer_pattern=args.layer_pattern,
+            capacity=args.capacity,
+            causal_router="predictor",
+        )
+        torch.manual_seed(args.seed)
+        mod = MoDTransformer(mod_cfg).to(device)
+    torch.manual_seed(args.seed)
+    dense = MoDTransformer(mod_cfg.dense_twin()).to(device)
+    models = {"mod": mod.to(dtype).eval(), "dense": dense.to(dtype).eval()}
+    return models, {name: m.config for name, m in models.items()}
+
+
+@torch.no_grad()
+def decode_run(
+    model: MoDTransformer,
+    prompt: Tensor,
+    new_tokens: int,
+    sync: Callable[[], None],
+    feed: Tensor | None = None,
+) -> dict:
+    """Prefill `prompt` (untimed), then time `new_tokens` decode steps.
+
+    Each step samples greedily (temperature 0) from the last logits and feeds the sampled tokens
+    back, or, when `feed` (B, new_tokens) host ids is given, feeds ``feed[:, step]`` instead (the
+    greedy token is still computed, so the work and the host sync per step are the same).
+    """
+    cfg = model.config
+    B, P = prompt.shape
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    cache = KVCache(cfg, B, P + new_tokens, device, dtype)
+    cos_S, sin_S = rope_tables(
+        cfg.head_dim,
+        P + new_tokens,
+        cfg.rope_theta,
+        device,
+        torch.promote_types(dtype, torch.float32),
+    )
+    lens = torch.full((B,), P, dtype=torch.long)
+    logits, prompt_routing = prefill(model, prompt, lens, cache, "causal")
+    rows, positions = torch.arange(B), lens.clone()
+    decisions = []
+    sync()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for step in range(new_tokens):
+        tokens = sample_next(logits, temperature=0.0).cpu()
+        if feed is not None:
+            tokens = feed[:, step]
+        logits, routing = decode_step(model, tokens, rows, positions, cache, cos_S, sin_S)
+        decisions.append(routing)
+        positions = positions + 1
+    sync()
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    decode_routing = torch.stack(decisions).float()  # (N, B, n_routers)
+    element_size = param.element_size()
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "nbytes_used": cache.nbytes_used,
+        "nbytes_allocated": cache.nbytes_allocated,
+        "cached_share": (cache.lengths.float().mean(1) / (P + new_tokens)).tolist(),
+        "take_prompt": prompt_routing.float().flatten(0, 1).mean(0).tolist(),
+        "take_decode": decode_routing.flatten(0, 1).mean(0).tolist(),
+        "busy_decode": decode_routing.amax(1).mean(0).tolist(),  # steps where some row took it
+        "element_size": element_size,
+    }
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def pct(xs: Sequence[float]) -> str:
+    return " ".join(f"{100 * x:5.1f}%" for x in xs) if xs else "-"
+
+
+def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
+    """Run the benchmark, print its tables and (`json_line`) a last line of JSON."""
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    P, N = args.prompt_len, args.new_tokens
+    context = P + N
+
+    models, configs = build_models(args, context, device, dtype)
+    mod_cfg = configs["mod"]
+    names_r = router_names(models["mod"])
+    vocab = mod_cfg.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, vocab, (max(args.batch_sizes), P), generator=gen).to(device)
+    feed_ids = None
+    if args.feed == "random":
+        feed_ids = torch.randint(0, vocab, (max(args.batch_sizes), N), generator=gen)
+
+    calib_take = None
+    if args.calibrate:
+        if mod_cfg.causal_router != "predictor":
+            raise SystemExit(
+                "--calibrate needs causal_router='predictor' (the checkpoint has "
+                f"{mod_cfg.causal_router!r}); pass --no-calibrate"
+            )
+        calib = torch.randint(0, vocab, (args.calib_rows, P), generator=gen).to(device)
+        calib_take = calibrate_predictors(models["mod"], calib)
+
+    names = list(models)
+    runs = {(name, b): [] for b in args.batch_sizes for name in names}
+    snapshot = cpu_snapshot()
+    t_start = time.perf_counter()
+    for rnd in range(args.warmup + args.repeats):
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotate each round
+        for b in args.batch_sizes:
+            for name in order:
+                feed = None if feed_ids is None else feed_ids[:b]
+                out = decode_run(models[name], prompts[:b], N, sync, feed)
+                if rnd >= args.warmup:
+                    runs[name, b].append(out)
+    wall = time.perf_counter() - t_start
+    busy = others_busy(snapshot, cpu_snapshot())
+
+    rows: dict[tuple[str, int], dict] = {}
+    for (name, b), outs in runs.items():
+        secs = [o["seconds"] for o in outs]
+        med = statistics.median(secs)
+        cpu_med = statistics.median(o["cpu_seconds"] for o in outs)
+        last = outs[-1]  # greedy and same prompt: routing and bytes are the same every repeat
+        cfg = configs[name]
+        take = layer_takes(cfg, last["take_decode"])
+        busy_steps = layer_takes(cfg, last["busy_decode"])
+        ctx = P + (N + 1) / 2  # mean context of a decode step, itself included
+        flops = decode_flops(cfg, take, last["cached_share"], ctx)
+        nbytes = decode_bytes(
+            cfg, take, busy_steps, last["cached_share"], ctx, b, last["element_size"]
+        )
+        rows[name, b] = {
+            "ms_per_step": 1e3 * med / N,
+            "tokens_per_s": b * N / med,
+            "cpu_ms_per_step": 1e3 * cpu_med / N,
+            "range_rel": (max(secs) - min(secs)) / med,
+            "nbytes_used": last["nbytes_used"],
+            "nbytes_allocated": last["nbytes_allocated"],
+            "take_prompt": last["take_prompt"],
+            "take_decode": last["take_decode"],
+            "busy_decode": last["busy_decode"],
+            "cached_share": last["cached_share"],
+            "flops_per_token": flops,
+            "bytes_read_per_step": nbytes,
+            "work_layers": sum((a + m) / 2 for a, m in take),
+            "take_decode_mean": statistics.mean(last["take_decode"] or [1.0]),
+        }
+
+    n_layers = mod_cfg.n_layers
+    nominal = [(a + m) / 2 for a, m in layer_takes(mod_cfg, [mod_cfg.capacity] * len(names_r))]
+    ratios = {}
+    for b in args.batch_sizes:
+        m, d = rows["mod", b], rows["dense", b]
+        cached = m["cached_share"]  # per layer: the share of the context it holds
+        ratios[b] = {
+            "speedup": m["tokens_per_s"] / d["tokens_per_s"],
+            "speedup_cpu_time": d["cpu_ms_per_step"] / m["cpu_ms_per_step"],
+            "speedup_pred_layers": n_layers / m["work_layers"],
+            "speedup_pred_flops": d["flops_per_token"] / m["flops_per_token"],
+            "speedup_pred_bytes": d["bytes_read_per_step"] / m["bytes_read_per_step"],
+            "cache_ratio": m["nbytes_used"] / d["nbytes_used"],
+            "cache_pred": sum(cached) / n_layers,
+            "alloc_ratio": m["nbytes_allocated"] / d["nbytes_allocated"],
+        }
+        ratios[b]["pass"] = (
+            ratios[b]["speedup"] >= SPEEDUP_BAR and ratios[b]["cache_ratio"] <= CACHE_BAR
+        )
+
+    src = f"checkpoint={args.checkpoint}" if args.checkpoint else f"preset={args.preset}"
+    print(
+        f"decode: {src} pattern={mod_cfg.layer_pattern} capacity={mod_cfg.capacity:g} "
+        f"causal_router={mod_cfg.causal_router} calibrated={args.calibrate} feed={args.feed} "
+        f"prompt={P} new={N} device={device.type} dtype={args.dtype} "
+        f"threads={torch.get_num_threads()} repeats={args.repeats} warmup={args.warmup} "
+        f"({wall:.0f} s)"
+    )
+    if context < MIN_CONTEXT:
+        print(
+            f"note: context {context} < {MIN_CONTEXT} tokens; the bars are meant for long contexts"
+        )
+    print(
+        f"take-rate per routed layer ({', '.join(names_r) or 'none'}): "
+        f"nominal {pct([mod_cfg.capacity] * len(names_r))}"
+    )
+    if calib_take is not None:
+        print(f"  calibration ({args.calib_rows}x{P} random tokens): {pct(calib_take)}")
+    for b in args.batch_sizes:
+        m = rows["mod", b]
+        line = f"  batch {b}: prompt {pct(m['take_prompt'])} | decode {pct(m['take_decode'])}"
+        if b > 1:
+            line += f" | decode steps where some row took it {pct(m['busy_decode'])}"
+        print(line)
+
+    header = (
+        f"{'model':<16} {'batch':>5} {'ms/step':>8} {'tokens/s':>9} {'vs dense':>8} "
+        f"{'cache used':>11} {'vs dense':>8} {'allocated':>11} {'take':>6} {'range':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    labels = {"mod": f"MoD {mod_cfg.layer_pattern} c={mod_cfg.capacity:g}", "dense": "dense twin"}
+    for b in args.batch_sizes:
+        for name in names:
+            r, d = rows[name, b], rows["dense", b]
+            take = statistics.mean(r["take_decode"]) if r["take_decode"] else 1.0
+            print(
+                f"{labels[name]:<16} {b:>5} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>9,.0f} "
+                f"{r['tokens_per_s'] / d['tokens_per_s']:>7.3f}x "
+                f"{fmt_bytes(r['nbytes_used']):>11} {r['nbytes_used'] / d['nbytes_used']:>7.3f}x "
+                f"{fmt_bytes(r['nbytes_allocated']):>11} {100 * take:>5.1f}% "
+                f"{100 * r['range_rel']:>5.1f}%"
+            )
+    print()
+    print(
+        f"MoD/dense, measured vs predicted at the measured take-rates (nominal at capacity "
+        f"{mod_cfg.capacity:g}: speed {n_layers / sum(nominal):.2f}x, cache "
+        f"{sum(nominal) / n_layers:.3f}x); bars: speed >= {SPEEDUP_BAR}x, cache <= {CACHE_BAR}x"
+    )
+    header = (
+        f"{'batch':>5} {'speed':>7} {'layers':>7} {'FLOPs':>7} {'bytes':>7} {'/FLOPs':>7} "
+        f"{'cache':>7} {'pred.':>7} {'alloc.':>7}  bars"
+    )
+    print(header)
+    print("-" * len(header))
+    for b in args.batch_sizes:
+        r = ratios[b]
+        print(
+            f"{b:>5} {r['speedup']:>6.3f}x {r['speedup_pred_layers']:>6.3f}x "
+            f"{r['speedup_pred_flops']:>6.3f}x {r['speedup_pred_bytes']:>6.3f}x "
+            f"{r['speedup'] / r['speedup_pred_flops']:>7.2f} {r['cache_ratio']:>6.3f}x "
+            f"{r['cache_pred']:>6.3f}x {r['alloc_ratio']:>6.3f}x  {'PASS' if r['pass'] else 'FAIL'}"
+        )
+    print(
+        "(speed: measured tokens/s ratio; predicted by layers: a dense layer counts 1, a routed "
+        "one its take-rate; FLOPs: decode_flops; bytes: weights and cache read per step, "
+        "decode_bytes; /FLOPs: measured over FLOPs-predicted. cache: nbytes_used ratio; pred.: "
+        "from the layers' cached shares; alloc.: nbytes_allocated ratio)"
+    )
+    for b in args.batch_sizes:
+        mean_take = rows["mod", b]["take_decode_mean"]
+        if not 0.5 * mod_cfg.capacity <= mean_take <= 2 * mod_cfg.capacity:
+            print(
+                f"note: at batch {b} the routed layers took {100 * mean_take:.1f}% of the decoded "
+                f"tokens, far from the capacity {100 * mod_cfg.capacity:g}%: the ratios say little "
+                "about a trained MoD model (untrained routers take about half; a trained one on "
+                "out-of-distribution prompts may take almost none)"
+            )
+    if device.type == "cpu" and busy is not None and busy > 0.1:
+        print(
+            f"note: other processes kept {100 * busy:.0f}% of the CPUs busy during the run, so "
+            "these numbers are noisy"
+        )
+        if torch.get_num_threads() == 1:
+            cpu_t = ", ".join(
+                f"batch {b} {ratios[b]['speedup_cpu_time']:.3f}x" for b in args.batch_sizes
+            )
+            print(
+                f"      MoD/dense speed from this process's CPU time instead (not counting time "
+                f"the other processes took the CPU from it): {cpu_t}"
+            )
+
+    result = {
+        "checkpoint": args.checkpoint,
+        "preset": None if args.checkpoint else args.preset,
+        "layer_pattern": mod_cfg.layer_pattern,
+        "capacity": mod_cfg.capacity,
+        "causal_router": mod_cfg.causal_router,
+        "calibrated": args.calibrate,
+        "feed": args.feed,
+        "prompt_len": P,
+        "new_tokens": N,
+        "device": device.type,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "router_names": names_r,
+        "calibration_take": calib_take,
+        "results": [
+            {"model": name, "batch_size": b, **rows[name, b]}
+            for b in args.batch_sizes
+            for name in names
+        ],
+        "ratios": [{"batch_size": b, **ratios[b]} for b in args.batch_sizes],
+        "speedup_bar": SPEEDUP_BAR,
+        "cache_bar": CACHE_BAR,
+        "pass": all(r["pass"] for r in ratios.values()),
+        "cpu_busy_others": busy,
+        "wall_s": wall,
+    }
+    if json_line:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,619 @@
+"""`mod bench`: MoD against its dense twin, side by side in one run, each ratio beside FLOPs.
+
+Sections (``--sections``, all by default):
+
+- ``train``: a training step (forward + backward; the optimizer step costs the same for both and
+  is not in the FLOP count) of the dense twin and of the routed model (every other block, top-k)
+  at each capacity, at each sequence length, with the same number of tokens per step
+  (``--tokens``). Speed-up over dense beside the FLOP-predicted one
+  (`FlopReport.train_causal`: attention over the causal half, as SDPA's causal kernels compute
+  it) and their quotient, the efficiency. Capacity 1.0 does the dense work plus routing: its
+  excess over dense is the routing overhead.
+- ``block``: one routed block against one dense block on the same input, forward and
+  forward + backward, at each capacity and length.
+- ``memory``: a training step's peak memory and saved activations, MoD against dense, each
+  measured in a fresh process (`bench.memory`).
+- ``decode``: decoding tokens/s and KV cache at batch 1 and 8 (`bench.decode`).
+- ``compile``: eager against ``torch.compile(fullgraph=True)`` training steps of the dense twin
+  and the MoD model at one length.
+
+Timing: within a section and length, every model runs one step per round and the order rotates
+every round, so drift and other processes hit all alike; the median over rounds is reported. The
+machine may be shared, so only ratios measured in the same run mean anything. The last line
+printed is one JSON object with every number.
+
+    mod bench                                  # preset small, everything (~10 min on 2 cores)
+    mod bench --sections train --seq-lens 1024 --capacities 0.125
+    mod bench --preset tiny --seq-lens 64 --tokens 256 --repeats 1 --warmup 1   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import MoDConfig
+from ..flops import estimate_flops
+from ..model import Block, MoDTransformer, rope_tables
+from ._common import cpu_snapshot, others_busy
+from .memory import MALLOC_ENV
+
+SECTIONS = ("train", "block", "memory", "decode", "compile")
+EFFICIENCY_BAR = 0.95  # measured speed-up / FLOP-predicted speed-up, at seq_len >= 1024
+EFFICIENCY_MIN_LEN = 1024
+CAP1_OVERHEAD_BAR = 0.03  # capacity 1.0 may cost at most this much over dense
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="small", help="MoDConfig preset (default: %(default)s)")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
+    p.add_argument(
+        "--capacities",
+        default="1.0,0.5,0.25,0.125",
+        help="capacities of the routed models (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seq-lens", default="256,1024,2048", help="sequence lengths (default: %(default)s)"
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        help="tokens per training step; batch = tokens // seq_len (default: %(default)s)",
+    )
+    p.add_argument(
+        "--layer-pattern", default="DR", help="pattern of the routed models (default: DR)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds (default: %(default)s)")
+    p.add_argument(
+        "--compile-seq-len",
+        type=int,
+        default=None,
+        help="length of the compile section (default: the middle of --seq-lens)",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="training runs under autocast in bfloat16 (default: bfloat16 on cuda, float32 on cpu)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the list flags and validate; raises ValueError naming the bad value."""
+    sections = [s.strip() for s in str(args.sections).split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad or not sections:
+        raise ValueError(f"--sections {args.sections!r}: choose from {', '.join(SECTIONS)}")
+    args.sections = sections
+    try:
+        args.capacities = _floats(str(args.capacities))
+        args.seq_lens = _ints(str(args.seq_lens))
+    except ValueError as exc:
+        raise ValueError(
+            f"--capacities / --seq-lens must be comma-separated numbers: {exc}"
+        ) from None
+    if not args.capacities or any(not 0 < c <= 1 for c in args.capacities):
+        raise ValueError(f"--capacities {args.capacities} must be in (0, 1]")
+    if not args.seq_lens or min(args.seq_lens) < 2:
+        raise ValueError(f"--seq-lens {args.seq_lens} must be integers >= 2")
+    if args.tokens < max(args.seq_lens):
+        raise ValueError(
+            f"--tokens {args.tokens} must be at least the longest sequence ({max(args.seq_lens)})"
+        )
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError(f"--repeats {args.repeats} must be >= 1, --warmup {args.warmup} >= 0")
+    if "R" not in args.layer_pattern.upper():
+        raise ValueError(f"--layer-pattern {args.layer_pattern!r} has no routed block 'R'")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    if args.compile_seq_len is None:
+        args.compile_seq_len = sorted(args.seq_lens)[len(args.seq_lens) // 2]
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be >= 1")
+    MoDConfig.preset(args.preset)  # unknown preset: a clear error now, not after minutes
+    return args
+
+
+# -- timing ---------------------------------------------------------------------------------------
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    warmup: int,
+    repeats: int,
+    sync: Callable[[], None],
+    bar: tqdm | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function over `repeats` rounds after `warmup` untimed rounds;
+    every round runs each function once, in an order that rotates every round."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rnd in range(warmup + repeats):
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
+        for name in order:
+            sync()
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            if rnd >= warmup:
+                times[name].append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(1)
+    return times
+
+
+def _median_ms(ts: list[float]) -> float:
+    return 1e3 * statistics.median(ts)
+
+
+def _spread(ts: list[float]) -> float:
+    return (max(ts) - min(ts)) / statistics.median(ts)
+
+
+def model_configs(args: argparse.Namespace, seq_len: int) -> dict[str, MoDConfig]:
+    """The dense twin and the routed model at each capacity, sized for `seq_len`."""
+    max_len = max(seq_len, MoDConfig.preset(args.preset).max_seq_len)
+    routed = {
+        f"c={c:g}": MoDConfig.preset(
+            args.preset, max_seq_len=max_len, layer_pattern=args.layer_pattern, capacity=c
+        )
+        for c in args.capacities
+    }
+    return {"dense": next(iter(routed.values())).dense_twin(), **routed}
+
+
+def _autocast(device: torch.device, dtype: str) -> Any:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
+def train_step_fn(
+    model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, dtype: str
+) -> Callable[[], None]:
+    def step() -> None:
+        with _autocast(idx.device, dtype):
+            loss = model(idx, targets).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+# -- sections -------------------------------------------------------------------------------------
+def bench_train(args: argparse.Namespace, device: torch.device, sync: Callable, bar: tqdm) -> list:
+    rows = []
+    for seq_len in args.seq_lens:
+        batch = args.tokens // seq_len
+        configs = model_configs(args, seq_len)
+        gen = torch.Generator().manual_seed(args.seed)
+        data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
+        fns, flops = {}, {}
+        for name, cfg in configs.items():
+            torch.manual_seed(args.seed)
+            model = MoDTransformer(cfg).to(device).train()
+            fns[name] = train_step_fn(model, data[:, :-1], data[:, 1:], args.dtype)
+            flops[name] = estimate_flops(cfg, seq_len, batch, with_dense=False).train_causal
+        bar.set_postfix_str(f"train T={seq_len}")
+        times = interleaved(fns, args.warmup, args.repeats, sync, bar)
+        dense_ms = _median_ms(times["dense"])
+        for name, cfg in configs.items():
+            ms = _median_ms(times[name])
+            speedup = dense_ms / ms
+            predicted = flops["dense"] / flops[name]
+            rows.append(
+                {
+                    "seq_len": seq_len,
+                    "batch_size": batch,
+                    "model": name,
+                    "capacity": None if name == "dense" else cfg.capacity,
+                    "capacity_tokens": None if name == "dense" else cfg.capacity_tokens(seq_len),
+                    "ms_per_step": ms,
+                    "tokens_per_s": batch * seq_len / (ms / 1e3),
+                    "gflop_per_step": flops[name] / 1e9,
+                    "gflop_per_s": flops[name] / 1e9 / (ms / 1e3),
+                    "speedup": speedup,
+                    "speedup_flop_predicted": predicted,
+                    "efficiency": speedup / predicted,
+                    "range_rel": _spread(times[name]),
+                }
+            )
+    return rows
+
+
+def _block_flops(cfg: MoDConfig, seq_len: int, batch: int) -> tuple[float, float]:
+    """(forward, forward + backward) FLOPs of the one block of `cfg`, causal attention."""
+    lf = estimate_flops(cfg, seq_len, batch, with_dense=False).layers[0]
+    fwd = lf.matmul + lf.attention_causal + lf.router + lf.predictor
+    return fwd, 3 * fwd
+
+
+def _block_fns(
+    block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: str
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One block's forward (no grad) and forward + backward on `x`, in top-k routing."""
+    xg = x.clone().requires_grad_(True)
+
+    def fwd() -> None:
+        with torch.no_grad(), _autocast(x.device, dtype):
+            block(x, cos, sin, "topk")
+
+    def fwd_bwd() -> None:
+        with _autocast(x.device, dtype):
+            y, _ = block(xg, cos, sin, "topk")
+        y.backward(torch.ones_like(y))
+        xg.grad = None
+        for p in block.parameters():
+            p.grad = None
+
+    return fwd, fwd_bwd
+
+
+def bench_block(args: argparse.Namespace, device: torch.device, sync: Callable, bar: tqdm) -> list:
+    rows = []
+    for seq_len in args.seq_lens:
+        batch = args.tokens // seq_len
+        configs = {  # one-block models: a dense block, a routed one per capacity
+            name: MoDConfig.from_dict(
+                {**cfg.to_dict(), "n_layers": 1, "layer_pattern": "D" if name == "dense" else "R"}
+            )
+            for name, cfg in model_configs(args, seq_len).items()
+        }
+        base = configs["dense"]
+        gen = torch.Generator().manual_seed(args.seed)
+        x = torch.randn(batch, seq_len, base.d_model, generator=gen).to(device)
+        cos, sin = rope_tables(base.head_dim, seq_len, base.rope_theta, device, torch.float32)
+        fwd_fns, bwd_fns, flops = {}, {}, {}
+        for name, cfg in configs.items():
+            torch.manual_seed(args.seed)
+            block = Block(cfg, 0).to(device).train()
+            flops[name] = _block_flops(cfg, seq_len, batch)
+
+            fwd_fns[name], bwd_fns[name] = _block_fns(block, x, cos, sin, args.dtype)
+        bar.set_postfix_str(f"block T={seq_len}")
+        for mode, fns, i in (("forward", fwd_fns, 0), ("forward+backward", bwd_fns, 1)):
+            times = interleaved(fns, args.warmup, args.repeats, sync, bar)
+            dense_ms = _median_ms(times["dense"])
+            for name in configs:
+                ms = _median_ms(times[name])
+                predicted = flops["dense"][i] / flops[name][i]
+                rows.append(
+                    {
+                        "seq_len": seq_len,
+                        "batch_size": batch,
+                        "mode": mode,
+                        "model": name,
+                        "ms": ms,
+                        "speedup": dense_ms / ms,
+                        "speedup_flop_predicted": predicted,
+                        "efficiency": dense_ms / ms / predicted,
+                        "range_rel": _spread(times[name]),
+                    }
+                )
+    return rows
+
+
+def _measure_memory(cfg: MoDConfig, batch: int, seq_len: int, device: str) -> dict:
+    spec = {"config": cfg.to_dict(), "batch_size": batch, "seq_len": seq_len, "device": device}
+    env = {**os.environ, **MALLOC_ENV, "MOD_BENCH_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixture_of_depths.bench.memory", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_memory(args: argparse.Namespace, bar: tqdm) -> list:
+    rows = []
+    for seq_len in args.seq_lens:
+        batch = args.tokens // seq_len
+        configs = model_configs(args, seq_len)
+        got = {}
+        for name, cfg in configs.items():
+            bar.set_postfix_str(f"memory T={seq_len} {name}")
+            got[name] = _measure_memory(cfg, batch, seq_len, args.device)
+            bar.update(1)
+        dense = got["dense"]
+        for name, m in got.items():
+            peak_ratio = (
+                m["peak_bytes"] / dense["peak_bytes"]
+                if m["peak_bytes"] and dense["peak_bytes"]
+                else None
+            )
+            rows.append(
+                {
+                    "seq_len": seq_len,
+                    "batch_size": batch,
+                    "model": name,
+                    **m,
+                    "saved_ratio": m["saved_bytes"] / dense["saved_bytes"],
+                    "peak_ratio": peak_ratio,
+                }
+            )
+    return rows
+
+
+def bench_decode(args: argparse.Namespace) -> dict:
+    from . import decode
+
+    argv = ["--preset", args.preset, "--batch-sizes", "1,8", "--device", args.device]
+    argv += ["--layer-pattern", args.layer_pattern, "--capacity", str(min(args.capacities))]
+    if args.preset == "tiny":  # a smoke run: short context
+        argv += ["--prompt-len", "16", "--new-tokens", "4", "--repeats", "1"]
+    threads = torch.get_num_threads()
+    try:
+        return decode.main(argv, json_line=False)
+    finally:
+        torch.set_num_threads(threads)  # decode runs on one CPU thread by default
+
+
+def bench_compile(
+    args: argparse.Namespace, device: torch.device, sync: Callable, bar: tqdm
+) -> list:
+    seq_len = args.compile_seq_len
+    batch = args.tokens // seq_len
+    configs = model_configs(args, seq_len)
+    keep = {"dense": configs["dense"], "MoD": configs[f"c={min(args.capacities):g}"]}
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
+    fns, compile_s = {}, {}
+    for name, cfg in keep.items():
+        torch.manual_seed(args.seed)
+        model = MoDTransformer(cfg).to(device).train()
+        fns[f"{name} eager"] = train_step_fn(model, data[:, :-1], data[:, 1:], args.dtype)
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)
+        step = train_step_fn(compiled, data[:, :-1], data[:, 1:], args.dtype)
+        bar.set_postfix_str(f"compiling {name}")
+        t0 = time.perf_counter()
+        step()  # compiles the forward and the backward
+        sync()
+        compile_s[name] = time.perf_counter() - t0
+        fns[f"{name} compiled"] = step
+    bar.set_postfix_str(f"compile T={seq_len}")
+    times = interleaved(fns, args.warmup, args.repeats, sync, bar)
+    ms = {name: _median_ms(t) for name, t in times.items()}
+    predicted = (
+        estimate_flops(keep["dense"], seq_len, batch, with_dense=False).train_causal
+        / estimate_flops(keep["MoD"], seq_len, batch, with_dense=False).train_causal
+    )
+    rows = []
+    for name in fns:
+        arch, mode = name.split(" ")
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "batch_size": batch,
+                "model": arch,
+                "mode": mode,
+                "capacity": keep[arch].capacity if arch == "MoD" else None,
+                "ms_per_step": ms[name],
+                "tokens_per_s": batch * seq_len / (ms[name] / 1e3),
+                "compiled_speedup": ms[f"{arch} eager"] / ms[name],
+                "mod_speedup": ms[f"dense {mode}"] / ms[f"MoD {mode}"],
+                "speedup_flop_predicted": predicted,
+                "compile_s": compile_s[arch] if mode == "compiled" else None,
+                "range_rel": _spread(times[name]),
+            }
+        )
+    return rows
+
+
+# -- report ---------------------------------------------------------------------------------------
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def print_train(rows: list) -> None:
+    print("\n## Training step (forward + backward), routed model vs its dense twin")
+    head = (
+        f"{'T':>5} {'batch':>5} {'model':<8} {'k':>5} {'ms/step':>9} {'tokens/s':>9} "
+        f"{'GFLOP/s':>8} {'speed-up':>9} {'FLOP pred.':>10} {'effic.':>7} {'range':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        k = "" if r["capacity_tokens"] is None else r["capacity_tokens"]
+        print(
+            f"{r['seq_len']:>5} {r['batch_size']:>5} {r['model']:<8} {k:>5} "
+            f"{r['ms_per_step']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['gflop_per_s']:>8.1f} "
+            f"{r['speedup']:>8.3f}x {r['speedup_flop_predicted']:>9.3f}x "
+            f"{100 * r['efficiency']:>6.1f}% {100 * r['range_rel']:>5.1f}%"
+        )
+
+
+def print_block(rows: list) -> None:
+    print("\n## One block: routed vs dense, same input")
+    head = (
+        f"{'T':>5} {'mode':<17} {'model':<8} {'ms':>8} {'speed-up':>9} {'FLOP pred.':>10} "
+        f"{'effic.':>7} {'range':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['seq_len']:>5} {r['mode']:<17} {r['model']:<8} {r['ms']:>8.2f} "
+            f"{r['speedup']:>8.3f}x {r['speedup_flop_predicted']:>9.3f}x "
+            f"{100 * r['efficiency']:>6.1f}% {100 * r['range_rel']:>5.1f}%"
+        )
+
+
+def print_memory(rows: list) -> None:
+    print("\n## Training-step memory: peak above the parameters, and activations saved")
+    head = (
+        f"{'T':>5} {'batch':>5} {'model':<8} {'peak':>10} {'vs dense':>9} {'saved':>10} "
+        f"{'vs dense':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        pr = "-" if r["peak_ratio"] is None else f"{r['peak_ratio']:.3f}x"
+        print(
+            f"{r['seq_len']:>5} {r['batch_size']:>5} {r['model']:<8} "
+            f"{_fmt_bytes(r['peak_bytes']):>10} {pr:>9} {_fmt_bytes(r['saved_bytes']):>10} "
+            f"{r['saved_ratio']:>8.3f}x"
+        )
+
+
+def print_compile(rows: list) -> None:
+    print("\n## Eager vs torch.compile(fullgraph=True), training step")
+    head = (
+        f"{'T':>5} {'model':<6} {'mode':<9} {'ms/step':>9} {'tokens/s':>9} {'vs eager':>9} "
+        f"{'MoD/dense':>9} {'FLOP pred.':>10} {'compile s':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cs = "" if r["compile_s"] is None else f"{r['compile_s']:.0f}"
+        print(
+            f"{r['seq_len']:>5} {r['model']:<6} {r['mode']:<9} {r['ms_per_step']:>9.1f} "
+            f"{r['tokens_per_s']:>9,.0f} {r['compiled_speedup']:>8.3f}x "
+            f"{r['mod_speedup']:>8.3f}x {r['speedup_flop_predicted']:>9.3f}x {cs:>9}"
+        )
+
+
+def bars(result: dict) -> dict:
+    """The DESIGN/issue bars, each with the measured value and whether it holds."""
+    out: dict[str, Any] = {}
+    train = result.get("train") or []
+    cap1 = [r for r in train if r["capacity"] == 1.0]
+    if cap1:
+        worst = max(1 / r["speedup"] - 1 for r in cap1)
+        out["cap1_overhead"] = {"value": worst, "bar": CAP1_OVERHEAD_BAR, "pass": worst <= 0.03}
+    long = [
+        r for r in train if r["capacity"] not in (None, 1.0) and r["seq_len"] >= EFFICIENCY_MIN_LEN
+    ]
+    if long:
+        worst = min(r["efficiency"] for r in long)
+        out["efficiency_long"] = {
+            "value": worst,
+            "bar": EFFICIENCY_BAR,
+            "pass": worst >= EFFICIENCY_BAR,
+        }
+    mem = [r for r in result.get("memory") or [] if r["model"] != "dense" and r["capacity"] != 1]
+    if mem:
+        worst = max((r["peak_ratio"] or r["saved_ratio"]) for r in mem)
+        out["memory_ratio"] = {"value": worst, "bar": 1.0, "pass": worst < 1.0}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    args = check_args(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n_models = len(args.capacities) + 1
+    rounds = args.warmup + args.repeats
+    total = 0
+    for s in args.sections:
+        total += {
+            "train": n_models * rounds * len(args.seq_lens),
+            "block": 2 * n_models * rounds * len(args.seq_lens),
+            "memory": n_models * len(args.seq_lens),
+            "compile": 4 * rounds,
+        }.get(s, 0)
+    print(
+        f"mod bench: preset={args.preset} pattern={args.layer_pattern} "
+        f"capacities={args.capacities} seq_lens={args.seq_lens} tokens/step={args.tokens} "
+        f"device={device.type} dtype={args.dtype} threads={torch.get_num_threads()} "
+        f"repeats={args.repeats} warmup={args.warmup} torch={torch.__version__}"
+    )
+    result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    snapshot, t0 = cpu_snapshot(), time.perf_counter()
+    bar = tqdm(total=total, desc="bench", unit="step", disable=args.no_progress, leave=False)
+    with bar:
+        for section in args.sections:
+            if section == "train":
+                result["train"] = bench_train(args, device, sync, bar)
+            elif section == "block":
+                result["block"] = bench_block(args, device, sync, bar)
+            elif section == "memory":
+                rows = bench_memory(args, bar)
+                for r in rows:
+                    r["capacity"] = None if r["model"] == "dense" else float(r["model"][2:])
+                result["memory"] = rows
+            elif section == "compile":
+                result["compile"] = bench_compile(args, device, sync, bar)
+            elif section == "decode":
+                bar.clear()
+                result["decode"] = bench_decode(args)
+    busy = others_busy(snapshot, cpu_snapshot())
+    result["wall_s"] = time.perf_counter() - t0
+    result["cpu_busy_others"] = busy
+    for section, show in (
+        ("train", print_train),
+        ("block", print_block),
+        ("memory", print_memory),
+        ("compile", print_compile),
+    ):
+        if section in result:
+            show(result[section])
+    result["bars"] = bars(result)
+    if result["bars"]:
+        print("\n## Bars")
+        for name, b in result["bars"].items():
+            print(
+                f"{name:<16} {b['value']:.3f} (bar {b['bar']:g}) {'PASS' if b['pass'] else 'FAIL'}"
+            )
+    if device.type == "cpu" and busy is not None and busy > 0.1:
+        print(
+            f"note: other processes kept {100 * busy:.0f}% of the CPUs busy during the run; "
+            "absolute numbers are noisy, ratios less so"
+        )
+    print(f"({result['wall_s']:.0f} s)")
+    print(json.dumps(result))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        p.error(str(exc))
+        raise
+
+
+if __name__ == "__main__":
+    main()
