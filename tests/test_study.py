@@ -67,3 +67,42 @@ def test_study_runs_to_budget_resumes_and_reports(tiny, tmp_path, monkeypatch):
     # Rerunning a finished study trains nothing.
     monkeypatch.setattr(st, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
     assert len(st.study(out, work, quick=True, data=data, progress=False)) == len(results)
+
+
+def _row(label, seed, topk, causal, params=1e5, fpt=1e6, group="isoflop", budget=1e12, d=32):
+    pattern = "D" if label.startswith("dense") else "DR"
+    return {
+        "name": f"{label}-{seed}", "group": group, "label": label, "budget": budget, "seed": seed,
+        "model": {"layer_pattern": pattern, "d_model": d}, "params": params,
+        "flops_per_forward_token": fpt, "tokens_per_s": 1000.0, "val_loss_topk": topk,
+        "val_loss_causal": causal, "routing_accuracy_mean": None if pattern == "D" else 0.97,
+    }  # fmt: skip
+
+
+def test_findings_from_hand_made_results():
+    """Best per architecture (MoD by causal loss, seeds averaged), verdict against the seed spread,
+    the cheapest matching MoD forward, the causal gap and the ablation deltas."""
+    rows = [
+        _row("dense A", 0, 1.00, 1.00, fpt=2e6),
+        _row("dense A", 1, 1.02, 1.02, fpt=2e6, group="seed"),  # mean 1.01, spread 0.02
+        _row("dense B", 0, 1.05, 1.05, fpt=4e6),
+        _row("MoD A", 0, 0.95, 1.00, fpt=1e6),  # causal 1.00 is within 0.02 of 1.01
+        _row("MoD B", 0, 0.90, 0.99, fpt=3e6, d=64),  # best MoD by causal, not by top-k
+        _row("MoD B, random routing", 0, 1.10, 1.188, group="ablation", d=64),
+    ]
+    f = st.findings(rows)
+    (b,) = f["budgets"]
+    assert b["best_dense"]["label"] == "dense A" and b["best_dense"]["val_loss"] == 1.01
+    assert b["best_dense"]["seeds"] == 2
+    assert b["best_mod"]["label"] == "MoD B" and b["best_mod"]["val_loss_causal"] == 0.99
+    assert b["seed_spread"] == pytest.approx(0.02)
+    assert b["mod_gain"] == pytest.approx((1.01 - 0.99) / 1.01)
+    assert b["verdict"] == "within the seed spread"
+    assert b["mod_matching"]["label"] == "MoD A"  # cheaper forward than MoD B, also matches
+    assert b["mod_matching"]["flops_ratio_vs_best_dense"] == pytest.approx(0.5)
+    gaps = [0.05 / 0.95, 0.09 / 0.90]
+    assert f["causal_gap"]["mean"] == pytest.approx(sum(gaps) / 2)
+    base, rnd = f["ablations"]
+    assert rnd["vs_baseline_causal"] == pytest.approx(0.2)
+    report = "\n".join(st.format_findings(f))
+    assert "within the seed spread" in report and "0.50x the best dense" in report
