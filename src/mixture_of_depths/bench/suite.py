@@ -48,7 +48,8 @@ from ..model import Block, MoDTransformer, rope_tables
 from ._common import cpu_snapshot, others_busy
 from .memory import MALLOC_ENV
 
-SECTIONS = ("train", "block", "memory", "decode", "compile")
+SECTIONS = ("train", "block", "memory", "decode", "compile", "profile")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # "profile" on request: where the time of a step goes
 EFFICIENCY_BAR = 0.95  # measured speed-up / FLOP-predicted speed-up, at seq_len >= 1024
 EFFICIENCY_MIN_LEN = 1024
 CAP1_OVERHEAD_BAR = 0.03  # capacity 1.0 may cost at most this much over dense
@@ -66,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small", help="MoDConfig preset (default: %(default)s)")
     p.add_argument(
         "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but profile)",
     )
     p.add_argument(
         "--capacities",
@@ -431,6 +432,73 @@ def bench_compile(
     return rows
 
 
+def bench_profile(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """torch.profiler over `--repeats` training steps of the dense twin and of the routed model at
+    the smallest capacity, at the longest length: time per op, so a missed bar can be explained."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seq_len = max(args.seq_lens)
+    batch = args.tokens // seq_len
+    configs = model_configs(args, seq_len)
+    keep = {
+        "dense": configs["dense"],
+        f"c={min(args.capacities):g}": configs[f"c={min(args.capacities):g}"],
+    }
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out: dict[str, Any] = {"seq_len": seq_len, "batch_size": batch, "models": {}}
+    for name, cfg in keep.items():
+        torch.manual_seed(args.seed)
+        model = MoDTransformer(cfg).to(device).train()
+        step = train_step_fn(model, data[:, :-1], data[:, 1:], args.dtype)
+        for _ in range(max(1, args.warmup)):
+            step()
+        with profile(activities=activities) as prof:
+            for _ in range(args.repeats):
+                step()
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+        out["models"][name] = {
+            "total_ms_per_step": total / 1e3 / args.repeats,
+            "ops": [
+                {
+                    "op": e.key,
+                    "ms_per_step": e.self_cpu_time_total / 1e3 / args.repeats,
+                    "share": e.self_cpu_time_total / total,
+                    "calls_per_step": e.count / args.repeats,
+                }
+                for e in top
+            ],
+        }
+    return out
+
+
+def print_profile(p: dict[str, Any]) -> None:
+    print(f"\n## Profile: self CPU time per op and step, T={p['seq_len']}, batch {p['batch_size']}")
+    names = list(p["models"])
+    ops = {n: {o["op"]: o for o in p["models"][n]["ops"]} for n in names}
+    keys = list(dict.fromkeys(k for n in names for k in ops[n]))
+    head = f"{'op':<56}" + "".join(f"{n + ' ms':>12} {'share':>6}" for n in names)
+    print(head)
+    print("-" * len(head))
+    for k in keys:
+        cells = ""
+        for n in names:
+            o = ops[n].get(k)
+            cells += (
+                f"{'':>12} {'':>6}"
+                if o is None
+                else (f"{o['ms_per_step']:>12.2f} {100 * o['share']:>5.1f}%")
+            )
+        print(f"{k[:56]:<56}{cells}")
+    print(
+        f"{'total':<56}"
+        + "".join(f"{p['models'][n]['total_ms_per_step']:>12.2f} {'':>6}" for n in names)
+    )
+
+
 # -- report ---------------------------------------------------------------------------------------
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
@@ -557,7 +625,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"device={device.type} dtype={args.dtype} threads={torch.get_num_threads()} "
         f"repeats={args.repeats} warmup={args.warmup} torch={torch.__version__}"
     )
-    result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    result: dict[str, Any] = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    }
     snapshot, t0 = cpu_snapshot(), time.perf_counter()
     bar = tqdm(total=total, desc="bench", unit="step", disable=args.no_progress, leave=False)
     with bar:
@@ -573,6 +643,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["memory"] = rows
             elif section == "compile":
                 result["compile"] = bench_compile(args, device, sync, bar)
+            elif section == "profile":
+                result["profile"] = bench_profile(args, device)
             elif section == "decode":
                 bar.clear()
                 result["decode"] = bench_decode(args)
@@ -587,6 +659,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ):
         if section in result:
             show(result[section])
+    if "profile" in result:
+        print_profile(result["profile"])
     result["bars"] = bars(result)
     if result["bars"]:
         print("\n## Bars")
