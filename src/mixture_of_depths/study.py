@@ -526,7 +526,7 @@ def _plots(results: list[dict[str, Any]], out: Path) -> None:
                         [r[key] for r in rows],
                         style,
                         color=color,
-                        label=f"{arch} @ {budget:.0e}",
+                        label=f"{arch} @ {budget:.2g} FLOPs",
                     )
         ax.set_xscale("log")
         ax.set_xlabel("parameters")
@@ -552,7 +552,7 @@ def _plots(results: list[dict[str, Any]], out: Path) -> None:
         lo = min(min(r["val_loss_topk"], r["val_loss_causal"]) for r in rows)
         ax.set_ylim(lo * 0.97, None)
         ax.set_ylabel("validation loss")
-        ax.set_title(f"ablations at {mid:.0e} FLOPs")
+        ax.set_title(f"ablations at {mid:.2g} FLOPs")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "ablations.png")

@@ -1,13 +1,13 @@
-"""Helpers shared by the benchmarks (imported as a sibling module: run them as scripts)."""
+"""Helpers shared by the benchmarks."""
 
 from __future__ import annotations
 
 import os
-import time
 
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(wall-clock seconds of all CPUs, busy seconds of all CPUs, this process's CPU seconds).
+    """(wall-clock seconds of all CPUs, busy seconds of all CPUs, CPU seconds of this process and
+    of its finished children, such as `bench.memory`'s measuring processes).
 
     Two snapshots give the share of the machine other processes used in between (Linux
     /proc/stat; None elsewhere): on a shared CPU they make timings noisy and unfair.
@@ -19,7 +19,12 @@ def cpu_snapshot() -> tuple[float, float, float] | None:
     except (OSError, ValueError, AttributeError):
         return None
     idle = ticks[3] + ticks[4]  # idle + iowait
-    return sum(ticks) / hz, (sum(ticks) - idle) / hz, time.process_time()
+    t = os.times()
+    return (
+        sum(ticks) / hz,
+        (sum(ticks) - idle) / hz,
+        t.user + t.system + t.children_user + t.children_system,
+    )
 
 
 def others_busy(before: tuple | None, after: tuple | None) -> float | None:
