@@ -545,13 +545,32 @@ def _plots(results: list[dict[str, Any]], out: Path) -> None:
         rows = base + abl
         fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
         names = [r["label"].split(", ")[-1] if ", " in r["label"] else "baseline" for r in rows]
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["val_loss_topk"] for r in rows], 0.4, label="top-k")
-        ax.bar([i + 0.2 for i in x], [r["val_loss_causal"] for r in rows], 0.4, label="causal")
-        ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
-        lo = min(min(r["val_loss_topk"], r["val_loss_causal"]) for r in rows)
-        ax.set_ylim(lo * 0.97, None)
-        ax.set_ylabel("validation loss")
+        x = list(range(len(rows)))
+        # Change of each loss against the baseline's causal loss, in %; bars beyond the axis
+        # (an ablation that breaks the model) are cut and labelled with their value.
+        ref_loss = rows[0]["val_loss_causal"]
+        lim = 6.0
+        for off, key, lab in ((-0.2, "val_loss_topk", "top-k"), (0.2, "val_loss_causal", "causal")):
+            pct = [100 * (r[key] - ref_loss) / ref_loss for r in rows]
+            ax.bar([i + off for i in x], [max(-lim, min(lim, p)) for p in pct], 0.4, label=lab)
+            for i, p in enumerate(pct):
+                if abs(p) > lim:
+                    ax.annotate(
+                        f"{p:+.0f}%",
+                        (i + off, lim if p > 0 else -lim),
+                        ha="center",
+                        va="bottom" if p > 0 else "top",
+                        fontsize=7,
+                    )
+        ax.axhline(0, color="black", lw=0.6)
+        gaps = _seed_gaps([r for r in results if r["budget"] == mid and r["group"] != "ablation"])
+        if gaps:  # differences inside this band are within the seed noise of this budget
+            band = 100 * max(gaps.values()) / ref_loss
+            ax.axhspan(-band, band, color="grey", alpha=0.15, label="seed spread")
+        ax.set_ylim(-lim * 1.15, lim * 1.15)
+        ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("loss vs baseline causal loss (%)")
+        ax.legend()
         ax.set_title(f"ablations at {mid:.2g} FLOPs")
         ax.legend()
         fig.tight_layout()
