@@ -264,3 +264,15 @@ def test_predictor_gradient_does_not_rescale_the_lm_update(corpus, tmp_path):
     assert finals[0].keys() == finals[1].keys()
     for n in finals[0]:
         assert torch.equal(finals[0][n], finals[1][n]), n
+
+
+def test_train_compile_matches_eager(corpus: Path, tmp_path: Path):
+    """`mod train --compile`: the compiled model trains to the eager run's losses."""
+    cfg = MoDConfig(**TINY)
+    train(cfg, tc(corpus, tmp_path / "eager", steps=3, eval_every=3), progress=False)
+    torch._dynamo.reset()
+    train(cfg, tc(corpus, tmp_path / "comp", steps=3, eval_every=3, compile=True), progress=False)
+    want, got = losses(tmp_path / "eager"), losses(tmp_path / "comp")
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
