@@ -52,7 +52,7 @@ class StudySettings:
 # Sizes bracket the compute-optimal size of these budgets (N ~ sqrt(C / 120) is 0.2M-0.6M
 # parameters), so each isoFLOP curve can show its minimum. At the largest budget the smallest
 # and largest sizes are left out: at 1.6e13 L is already ~40% worse than the best, and each run
-# there costs ~12 minutes. About three hours on 2 CPU cores; the ablations use size M.
+# there costs ~12 minutes. 38 runs, 2.6 hours on 2 CPU cores; the ablations use size M.
 FULL = StudySettings(
     budgets=(5e12, 1.6e13, 5e13),
     sizes=(
