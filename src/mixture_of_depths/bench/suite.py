@@ -432,71 +432,102 @@ def bench_compile(
     return rows
 
 
-def bench_profile(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """torch.profiler over `--repeats` training steps of the dense twin and of the routed model at
-    the smallest capacity, at the longest length: time per op, so a missed bar can be explained."""
+def _profile(fn: Callable[[], None], repeats: int, warmup: int, sync: Callable, cuda: bool) -> dict:
+    """Self CPU time per op of `repeats` calls of `fn` (the 15 largest), and the wall time per call
+    measured without the profiler: their difference is time no op accounts for (dispatch, Python,
+    thread wake-ups)."""
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(max(1, warmup)):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    wall = (time.perf_counter() - t0) / repeats
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return {
+        "wall_ms": 1e3 * wall,
+        "total_ms_per_step": total / 1e3 / repeats,
+        "ops": [
+            {
+                "op": e.key,
+                "ms_per_step": e.self_cpu_time_total / 1e3 / repeats,
+                "share": e.self_cpu_time_total / total,
+                "calls_per_step": e.count / repeats,
+            }
+            for e in top
+        ],
+    }
+
+
+def bench_profile(args: argparse.Namespace, device: torch.device, sync: Callable) -> dict[str, Any]:
+    """torch.profiler over training steps of the dense twin and of the routed model at the
+    smallest capacity, and over the forward of one dense and one routed block, at the longest
+    length: time per op, so a missed bar can be explained."""
     seq_len = max(args.seq_lens)
     batch = args.tokens // seq_len
     configs = model_configs(args, seq_len)
-    keep = {
-        "dense": configs["dense"],
-        f"c={min(args.capacities):g}": configs[f"c={min(args.capacities):g}"],
-    }
+    small = f"c={min(args.capacities):g}"
+    keep = {"dense": configs["dense"], small: configs[small]}
     gen = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    out: dict[str, Any] = {"seq_len": seq_len, "batch_size": batch, "models": {}}
+    x = torch.randn(batch, seq_len, configs["dense"].d_model, generator=gen).to(device)
+    base = configs["dense"]
+    cos, sin = rope_tables(base.head_dim, seq_len, base.rope_theta, device, torch.float32)
+    cuda = device.type == "cuda"
+    out: dict[str, Any] = {"seq_len": seq_len, "batch_size": batch, "models": {}, "blocks": {}}
     for name, cfg in keep.items():
         torch.manual_seed(args.seed)
         model = MoDTransformer(cfg).to(device).train()
         step = train_step_fn(model, data[:, :-1], data[:, 1:], args.dtype)
-        for _ in range(max(1, args.warmup)):
-            step()
-        with profile(activities=activities) as prof:
-            for _ in range(args.repeats):
-                step()
-        events = prof.key_averages()
-        total = sum(e.self_cpu_time_total for e in events)
-        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-        out["models"][name] = {
-            "total_ms_per_step": total / 1e3 / args.repeats,
-            "ops": [
-                {
-                    "op": e.key,
-                    "ms_per_step": e.self_cpu_time_total / 1e3 / args.repeats,
-                    "share": e.self_cpu_time_total / total,
-                    "calls_per_step": e.count / args.repeats,
-                }
-                for e in top
-            ],
-        }
+        out["models"][name] = _profile(step, args.repeats, args.warmup, sync, cuda)
+        one = MoDConfig.from_dict(
+            {**cfg.to_dict(), "n_layers": 1, "layer_pattern": "D" if name == "dense" else "R"}
+        )
+        torch.manual_seed(args.seed)
+        fwd, _ = _block_fns(Block(one, 0).to(device), x, cos, sin, args.dtype)
+        out["blocks"][name] = _profile(fwd, 4 * args.repeats, args.warmup, sync, cuda)
     return out
 
 
 def print_profile(p: dict[str, Any]) -> None:
-    print(f"\n## Profile: self CPU time per op and step, T={p['seq_len']}, batch {p['batch_size']}")
-    names = list(p["models"])
-    ops = {n: {o["op"]: o for o in p["models"][n]["ops"]} for n in names}
-    keys = list(dict.fromkeys(k for n in names for k in ops[n]))
-    head = f"{'op':<56}" + "".join(f"{n + ' ms':>12} {'share':>6}" for n in names)
-    print(head)
-    print("-" * len(head))
-    for k in keys:
-        cells = ""
-        for n in names:
-            o = ops[n].get(k)
-            cells += (
-                f"{'':>12} {'':>6}"
-                if o is None
-                else (f"{o['ms_per_step']:>12.2f} {100 * o['share']:>5.1f}%")
-            )
-        print(f"{k[:56]:<56}{cells}")
-    print(
-        f"{'total':<56}"
-        + "".join(f"{p['models'][n]['total_ms_per_step']:>12.2f} {'':>6}" for n in names)
-    )
+    for part, what in (("models", "training step"), ("blocks", "one block, forward")):
+        print(
+            f"\n## Profile, {what}: self CPU time per op and call, T={p['seq_len']}, "
+            f"batch {p['batch_size']}"
+        )
+        runs = p[part]
+        names = list(runs)
+        ops = {n: {o["op"]: o for o in runs[n]["ops"]} for n in names}
+        keys = list(dict.fromkeys(k for n in names for k in ops[n]))
+        head = f"{'op':<56}" + "".join(f"{n + ' ms':>12} {'share':>6}" for n in names)
+        print(head)
+        print("-" * len(head))
+        for k in keys:
+            cells = ""
+            for n in names:
+                o = ops[n].get(k)
+                cells += (
+                    f"{'':>12} {'':>6}"
+                    if o is None
+                    else f"{o['ms_per_step']:>12.3f} {100 * o['share']:>5.1f}%"
+                )
+            print(f"{k[:56]:<56}{cells}")
+        for label, key in (("all ops (profiled)", "total_ms_per_step"), ("wall time", "wall_ms")):
+            print(f"{label:<56}" + "".join(f"{runs[n][key]:>12.3f} {'':>6}" for n in names))
+        a, b = names
+        print(
+            f"{a}/{b}: ops {runs[a]['total_ms_per_step'] / runs[b]['total_ms_per_step']:.2f}x, "
+            f"wall {runs[a]['wall_ms'] / runs[b]['wall_ms']:.2f}x"
+        )
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -644,7 +675,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             elif section == "compile":
                 result["compile"] = bench_compile(args, device, sync, bar)
             elif section == "profile":
-                result["profile"] = bench_profile(args, device)
+                result["profile"] = bench_profile(args, device, sync)
             elif section == "decode":
                 bar.clear()
                 result["decode"] = bench_decode(args)
