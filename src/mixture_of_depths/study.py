@@ -516,21 +516,28 @@ def _plots(results: list[dict[str, Any]], out: Path) -> None:
                 ("dense", "o-", "val_loss_topk"),
                 ("MoD", "s--", "val_loss_causal"),
             ):
-                rows = sorted(
-                    (r for r in iso if r["budget"] == budget and r["label"].startswith(arch)),
-                    key=lambda r: r["params"],
-                )
-                if rows:
+                # Seeds averaged per size, as in the headline table.
+                runs = [
+                    r
+                    for r in results
+                    if r["group"] in ("isoflop", "seed")
+                    and r["budget"] == budget
+                    and r["label"].startswith(arch)
+                ]
+                loss = _mean_seeds(runs, key)
+                params = {r["label"]: r["params"] for r in runs}
+                labels = sorted(loss, key=params.get)
+                if labels:
                     ax.plot(
-                        [r["params"] for r in rows],
-                        [r[key] for r in rows],
+                        [params[lab] for lab in labels],
+                        [loss[lab] for lab in labels],
                         style,
                         color=color,
                         label=f"{arch} @ {budget:.2g} FLOPs",
                     )
         ax.set_xscale("log")
         ax.set_xlabel("parameters")
-        ax.set_ylabel("validation loss (MoD: causal)")
+        ax.set_ylabel("validation loss (MoD: causal; seeds averaged)")
         ax.set_title("isoFLOP curves: loss against size at fixed training FLOPs")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -542,6 +549,8 @@ def _plots(results: list[dict[str, Any]], out: Path) -> None:
         mid = abl[0]["budget"]
         ref = [r for r in iso if r["budget"] == mid and r["label"].startswith("MoD")]
         base = [r for r in ref if r["model"]["d_model"] == abl[0]["model"]["d_model"]]
+        if not base:  # no baseline run of the ablations' size yet: nothing to compare with
+            return
         rows = base + abl
         fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
         names = [r["label"].split(", ")[-1] if ", " in r["label"] else "baseline" for r in rows]

@@ -76,8 +76,15 @@ def _trim() -> None:
         pass
 
 
-def measure(config: dict[str, Any], batch_size: int, seq_len: int, device: str = "cpu") -> dict:
-    """Peak and saved-activation bytes of one top-k training step of `config`."""
+def measure(
+    config: dict[str, Any],
+    batch_size: int,
+    seq_len: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
+    """Peak and saved-activation bytes of one top-k training step of `config` (under bf16
+    autocast when `dtype` is "bfloat16", as the timed steps run)."""
     torch.manual_seed(0)
     dev = torch.device(device)
     cfg = MoDConfig(**config)
@@ -86,7 +93,8 @@ def measure(config: dict[str, Any], batch_size: int, seq_len: int, device: str =
     idx, targets = data[:, :-1], data[:, 1:]
 
     def step() -> int:
-        saved, out = saved_activation_bytes(model, lambda: model(idx, targets).loss)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            saved, out = saved_activation_bytes(model, lambda: model(idx, targets).loss)
         out.backward()
         return saved
 
@@ -105,7 +113,7 @@ def measure(config: dict[str, Any], batch_size: int, seq_len: int, device: str =
         if _reset_hwm() and (base := _status_kib("VmRSS")) is not None:
             saved = step()
             hwm = _status_kib("VmHWM")
-            peak = None if hwm is None else 1024 * (hwm - base)
+            peak = None if hwm is None else 1024 * max(0, hwm - base)
         else:
             saved = step()
     return {"saved_bytes": saved, "peak_bytes": peak, "params": model.num_params()}
@@ -114,4 +122,5 @@ def measure(config: dict[str, Any], batch_size: int, seq_len: int, device: str =
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(int(os.environ.get("MOD_BENCH_THREADS", "1")))
-    print(json.dumps(measure(spec["config"], spec["batch_size"], spec["seq_len"], spec["device"])))
+    args = (spec["config"], spec["batch_size"], spec["seq_len"], spec["device"])
+    print(json.dumps(measure(*args, spec.get("dtype", "float32"))))
