@@ -715,7 +715,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("\n## Bars")
         for name, b in result["bars"].items():
             print(
-                f"{name:<16} {b['value']:.3f} (bar {b['bar']:g}) {'PASS' if b['pass'] else 'FAIL'}"
+                f"{name:<20} {b['value']:.3f} (bar {b['bar']:g}) {'PASS' if b['pass'] else 'FAIL'}"
             )
     if device.type == "cpu" and busy is not None and busy > 0.1:
         print(
