@@ -33,3 +33,14 @@ def others_busy(before: tuple | None, after: tuple | None) -> float | None:
         return None
     total, busy, mine = (a - b for a, b in zip(after, before, strict=True))
     return min(1.0, max(0.0, (busy - mine) / total))
+
+
+def fmt_bytes(n: float | None, digits: int = 2) -> str:
+    """Bytes in B / KiB / MiB / GiB; "-" for None (not measured)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    raise AssertionError

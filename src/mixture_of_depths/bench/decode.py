@@ -61,7 +61,7 @@ from mixture_of_depths.cache import KVCache
 from mixture_of_depths.generate import decode_step, prefill, router_names, sample_next
 from mixture_of_depths.model import rope_tables
 
-from ._common import cpu_snapshot, others_busy
+from ._common import cpu_snapshot, fmt_bytes, others_busy
 
 SPEEDUP_BAR = 1.6  # MoD decode tokens/s must reach this multiple of the dense twin's
 CACHE_BAR = 0.6  # MoD KV cache in use must be at most this fraction of the dense twin's
@@ -372,14 +372,6 @@ def decode_run(
         "busy_decode": decode_routing.amax(1).mean(0).tolist(),  # steps where some row took it
         "element_size": element_size,
     }
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def pct(xs: Sequence[float]) -> str:

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from ..config import MoDConfig
 from ..flops import estimate_flops
 from ..model import Block, MoDTransformer, rope_tables
-from ._common import cpu_snapshot, others_busy
+from ._common import cpu_snapshot, fmt_bytes, others_busy
 from .memory import MALLOC_ENV
 
 SECTIONS = ("train", "block", "memory", "decode", "compile", "profile")
@@ -216,19 +216,48 @@ def train_step_fn(
     return step
 
 
+def _tokens(args: argparse.Namespace, batch: int, seq_len: int, device: torch.device) -> Any:
+    """The seeded batch every model of a comparison trains on: (inputs, targets)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
+    return data[:, :-1], data[:, 1:]
+
+
+def _model(cfg: MoDConfig, args: argparse.Namespace, device: torch.device) -> MoDTransformer:
+    torch.manual_seed(args.seed)  # same weights wherever the shapes agree
+    return MoDTransformer(cfg).to(device).train()
+
+
+def _one_block(cfg: MoDConfig, routed: bool) -> MoDConfig:
+    """`cfg` cut to a single block, routed or dense."""
+    return MoDConfig.from_dict({**cfg.to_dict(), "n_layers": 1, "layer_pattern": "RD"[not routed]})
+
+
+def _block(cfg: MoDConfig, args: argparse.Namespace, device: torch.device) -> Block:
+    torch.manual_seed(args.seed)
+    return Block(cfg, 0).to(device).train()
+
+
+def _block_input(
+    cfg: MoDConfig, args: argparse.Namespace, batch: int, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A seeded residual stream (batch, seq_len, d_model) and the rotary tables of its positions."""
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(batch, seq_len, cfg.d_model, generator=gen).to(device)
+    cos, sin = rope_tables(cfg.head_dim, seq_len, cfg.rope_theta, device, torch.float32)
+    return x, cos, sin
+
+
 # -- sections -------------------------------------------------------------------------------------
 def bench_train(args: argparse.Namespace, device: torch.device, sync: Callable, bar: tqdm) -> list:
     rows = []
     for seq_len in args.seq_lens:
         batch = args.tokens // seq_len
         configs = model_configs(args, seq_len)
-        gen = torch.Generator().manual_seed(args.seed)
-        data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
+        idx, targets = _tokens(args, batch, seq_len, device)
         fns, flops = {}, {}
         for name, cfg in configs.items():
-            torch.manual_seed(args.seed)
-            model = MoDTransformer(cfg).to(device).train()
-            fns[name] = train_step_fn(model, data[:, :-1], data[:, 1:], args.dtype)
+            fns[name] = train_step_fn(_model(cfg, args, device), idx, targets, args.dtype)
             flops[name] = estimate_flops(cfg, seq_len, batch, with_dense=False).train_causal
         bar.set_postfix_str(f"train T={seq_len}")
         times = interleaved(fns, args.warmup, args.repeats, sync, bar)
@@ -290,21 +319,14 @@ def bench_block(args: argparse.Namespace, device: torch.device, sync: Callable, 
     for seq_len in args.seq_lens:
         batch = args.tokens // seq_len
         configs = {  # one-block models: a dense block, a routed one per capacity
-            name: MoDConfig.from_dict(
-                {**cfg.to_dict(), "n_layers": 1, "layer_pattern": "D" if name == "dense" else "R"}
-            )
+            name: _one_block(cfg, routed=name != "dense")
             for name, cfg in model_configs(args, seq_len).items()
         }
-        base = configs["dense"]
-        gen = torch.Generator().manual_seed(args.seed)
-        x = torch.randn(batch, seq_len, base.d_model, generator=gen).to(device)
-        cos, sin = rope_tables(base.head_dim, seq_len, base.rope_theta, device, torch.float32)
+        x, cos, sin = _block_input(configs["dense"], args, batch, seq_len, device)
         fwd_fns, bwd_fns, flops = {}, {}, {}
         for name, cfg in configs.items():
-            torch.manual_seed(args.seed)
-            block = Block(cfg, 0).to(device).train()
             flops[name] = _block_flops(cfg, seq_len, batch)
-
+            block = _block(cfg, args, device)
             fwd_fns[name], bwd_fns[name] = _block_fns(block, x, cos, sin, args.dtype)
         bar.set_postfix_str(f"block T={seq_len}")
         for mode, fns, i in (("forward", fwd_fns, 0), ("forward+backward", bwd_fns, 1)):
@@ -402,15 +424,13 @@ def bench_compile(
     batch = args.tokens // seq_len
     configs = model_configs(args, seq_len)
     keep = {"dense": configs["dense"], "MoD": configs[f"c={min(args.capacities):g}"]}
-    gen = torch.Generator().manual_seed(args.seed)
-    data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
+    idx, targets = _tokens(args, batch, seq_len, device)
     fns, compile_s = {}, {}
     for name, cfg in keep.items():
-        torch.manual_seed(args.seed)
-        model = MoDTransformer(cfg).to(device).train()
-        fns[f"{name} eager"] = train_step_fn(model, data[:, :-1], data[:, 1:], args.dtype)
+        model = _model(cfg, args, device)
+        fns[f"{name} eager"] = train_step_fn(model, idx, targets, args.dtype)
         compiled = torch.compile(model, fullgraph=True, dynamic=False)
-        step = train_step_fn(compiled, data[:, :-1], data[:, 1:], args.dtype)
+        step = train_step_fn(compiled, idx, targets, args.dtype)
         bar.set_postfix_str(f"compiling {name}")
         t0 = time.perf_counter()
         step()  # compiles the forward and the backward
@@ -491,23 +511,15 @@ def bench_profile(args: argparse.Namespace, device: torch.device, sync: Callable
     configs = model_configs(args, seq_len)
     small = f"c={min(args.capacities):g}"
     keep = {"dense": configs["dense"], small: configs[small]}
-    gen = torch.Generator().manual_seed(args.seed)
-    data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
-    x = torch.randn(batch, seq_len, configs["dense"].d_model, generator=gen).to(device)
-    base = configs["dense"]
-    cos, sin = rope_tables(base.head_dim, seq_len, base.rope_theta, device, torch.float32)
+    idx, targets = _tokens(args, batch, seq_len, device)
+    x, cos, sin = _block_input(configs["dense"], args, batch, seq_len, device)
     cuda = device.type == "cuda"
     out: dict[str, Any] = {"seq_len": seq_len, "batch_size": batch, "models": {}, "blocks": {}}
     for name, cfg in keep.items():
-        torch.manual_seed(args.seed)
-        model = MoDTransformer(cfg).to(device).train()
-        step = train_step_fn(model, data[:, :-1], data[:, 1:], args.dtype)
+        step = train_step_fn(_model(cfg, args, device), idx, targets, args.dtype)
         out["models"][name] = _profile(step, args.repeats, args.warmup, sync, cuda)
-        one = MoDConfig.from_dict(
-            {**cfg.to_dict(), "n_layers": 1, "layer_pattern": "D" if name == "dense" else "R"}
-        )
-        torch.manual_seed(args.seed)
-        fwd, _ = _block_fns(Block(one, 0).to(device), x, cos, sin, args.dtype)
+        block = _block(_one_block(cfg, routed=name != "dense"), args, device)
+        fwd, _ = _block_fns(block, x, cos, sin, args.dtype)
         out["blocks"][name] = _profile(fwd, 4 * args.repeats, args.warmup, sync, cuda)
     return out
 
@@ -545,16 +557,6 @@ def print_profile(p: dict[str, Any]) -> None:
 
 
 # -- report ---------------------------------------------------------------------------------------
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def print_train(rows: list) -> None:
     print("\n## Training step (forward + backward), routed model vs its dense twin")
     head = (
@@ -601,7 +603,7 @@ def print_memory(rows: list) -> None:
         pr = "-" if r["peak_ratio"] is None else f"{r['peak_ratio']:.3f}x"
         print(
             f"{r['seq_len']:>5} {r['batch_size']:>5} {r['model']:<8} "
-            f"{_fmt_bytes(r['peak_bytes']):>10} {pr:>9} {_fmt_bytes(r['saved_bytes']):>10} "
+            f"{fmt_bytes(r['peak_bytes'], 1):>10} {pr:>9} {fmt_bytes(r['saved_bytes'], 1):>10} "
             f"{r['saved_ratio']:>8.3f}x"
         )
 
