@@ -22,7 +22,7 @@ every round, so drift and other processes hit all alike; the median over rounds 
 machine may be shared, so only ratios measured in the same run mean anything. The last line
 printed is one JSON object with every number.
 
-    mod bench                                  # preset small, everything (~10 min on 2 cores)
+    mod bench                                  # preset small, everything (~5 min on 2 cores)
     mod bench --sections train --seq-lens 1024 --capacities 0.125
     mod bench --preset tiny --seq-lens 64 --tokens 256 --repeats 1 --warmup 1   # a smoke run
 """
