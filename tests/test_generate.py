@@ -3,13 +3,21 @@
 No golden numbers. `generate_reference` recomputes the full causal forward at every step (the
 slow path cached decoding must equal); the model's own full forward, tests/reference.py's loop
 RoPE and counts read back from routing decisions are the other oracles.
+
+Comparisons across code paths or batch shapes (cached against recomputed, batched against alone)
+end in hard decisions (a routing threshold at 0, a greedy argmax), so they run in float64, where
+round-off (~1e-15) is far below any decision margin; float32 rounding differs between matmul
+shapes and could flip a decision that sits within ~1e-6 of its threshold on one CPU and not on
+another. float32 is compared only against itself on the same path.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from reference import randomise, rotate
+from helpers import V, force_routing, random_tokens, tiny_config
+from helpers import make_model as _make_model
+from reference import rotate
 
 from mixture_of_depths import MoDConfig, MoDTransformer, capacity_tokens
 from mixture_of_depths.cache import KVCache
@@ -23,14 +31,13 @@ from mixture_of_depths.generate import (
     sample_next,
     stream,
 )
-from mixture_of_depths.model import rope_tables
 
-V = 61  # vocabulary of the test models
 MAX_LEN = 64
 LENS = (5, 11, 8)  # prompt lengths of the default batch: unequal, the longest not first
 N_NEW = 12
 TOL32 = dict(rtol=0.0, atol=1e-5)
 TOL64 = dict(rtol=0.0, atol=1e-10)
+F64 = torch.float64
 MODES = [
     ("joint", "aux_loss"),
     ("joint", "predictor"),
@@ -43,59 +50,13 @@ MODES = [
 
 
 def make_config(**overrides) -> MoDConfig:
-    base = dict(
-        vocab_size=V, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=MAX_LEN,
-        layer_pattern="RDR", capacity=0.25, predictor_hidden=16,
-    )  # fmt: skip
-    return MoDConfig(**{**base, **overrides})
-
-
-def random_tokens(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def calibrate_predictors(model: MoDTransformer, take: float = 0.5, seed: int = 99) -> None:
-    """Shift each predictor's output bias so that about a fraction `take` of tokens take its block.
-
-    Calibrated in forward order on causal routing (each router reads the previous ones' output),
-    with the threshold midway between two neighbouring logits so no token sits on it.
-    """
-    idx = random_tokens(4, 32, seed)
-    n_routes = len(model(idx, routing="causal").routes)
-    for i in range(n_routes):
-        route = model(idx, routing="causal").routes[i]
-        fc2 = model.blocks[route.layer].predictor[route.kind].fc2
-        z = route.predictor_logits.flatten().sort().values
-        cut = min(max(int(len(z) * (1 - take)), 1), len(z) - 1)
-        fc2.bias -= (z[cut - 1] + z[cut]) / 2
+    return tiny_config(**{"max_seq_len": MAX_LEN, "capacity": 0.25, **overrides})
 
 
 def make_model(
     seed: int = 0, dtype: torch.dtype = torch.float32, take: float = 0.5, **overrides
 ) -> MoDTransformer:
-    torch.manual_seed(seed)
-    model = MoDTransformer(make_config(**overrides))
-    randomise(model, seed + 1)
-    model = model.to(dtype).eval()
-    if model.config.causal_router == "predictor" and not model.config.is_dense:
-        calibrate_predictors(model, take)
-    return model
-
-
-@torch.no_grad()
-def force_routing(model: MoDTransformer, take: bool, layers: list[int] | None = None) -> None:
-    """Make every token take (or skip) the routed blocks `layers` (all routed ones by default)."""
-    for block in model.blocks:
-        if not block.routed or (layers is not None and block.layer not in layers):
-            continue
-        for kind in block.route_kinds:
-            if model.config.causal_router == "predictor":
-                block.predictor[kind].fc2.weight.zero_()
-                block.predictor[kind].fc2.bias.fill_(5.0 if take else -5.0)
-            else:
-                assert not take, "an aux_loss router has no bias: r = x @ w cannot be forced > 0"
-                block.router[kind].weight.zero_()  # r = 0: sigmoid(r) = 0.5 is not > 0.5
+    return _make_model(make_config(**overrides), seed, dtype, take)
 
 
 def make_prompts(lens=LENS, seed: int = 1) -> list[list[int]]:
@@ -168,10 +129,7 @@ class HandDecoder:
         total = int(self.lens.max()) + n_new
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(cfg, len(prompts), total, dtype=dtype, grow=grow)
-        rope_dtype = torch.promote_types(dtype, torch.float32)
-        self.cos, self.sin = rope_tables(cfg.head_dim, total, cfg.rope_theta, dtype=rope_dtype)
         self.rows = torch.arange(len(prompts))
-        self.positions = self.lens.clone()
         self.seqs = [list(p) for p in prompts]
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,14 +141,11 @@ class HandDecoder:
         tokens = self.logits.argmax(-1)
         for b, t in enumerate(tokens.tolist()):
             self.seqs[b].append(t)
-        self.logits, routing = decode_step(
-            self.model, tokens, self.rows, self.positions, self.cache, self.cos, self.sin
-        )
-        self.positions = self.positions + 1
+        self.logits, routing = decode_step(self.model, tokens, self.rows, self.cache)
         return self.logits, routing
 
 
-def assert_same_generation(got, exp, logits_tol=TOL32) -> None:  # noqa: ANN001
+def assert_same_generation(got, exp, logits_tol=TOL64) -> None:  # noqa: ANN001
     assert got.tokens == exp.tokens
     assert got.router_names == exp.router_names
     for b, (lg, le) in enumerate(zip(got.logits, exp.logits, strict=True)):
@@ -205,7 +160,7 @@ def assert_same_generation(got, exp, logits_tol=TOL32) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("routing, causal_router", MODES)
 def test_cached_greedy_equals_reference(routing, causal_router):
-    model = make_model(routing=routing, causal_router=causal_router)
+    model = make_model(routing=routing, causal_router=causal_router, dtype=F64)
     prompts = make_prompts()
     got = generate(model, prompts, N_NEW, temperature=0, return_logits=True, return_routing=True)
     exp = generate_reference(model, prompts, N_NEW)
@@ -222,7 +177,7 @@ def test_cached_greedy_equals_reference(routing, causal_router):
 
 
 def test_dense_model_cached_equals_reference():
-    model = make_model(layer_pattern="D")
+    model = make_model(layer_pattern="D", dtype=F64)
     prompts = make_prompts()
     got = generate(model, prompts, N_NEW, temperature=0, return_logits=True, return_routing=True)
     assert_same_generation(got, generate_reference(model, prompts, N_NEW))
@@ -251,14 +206,14 @@ def test_float64_cached_logits_equal_full_recomputation(routing):
 
 @pytest.mark.parametrize("routing, causal_router", MODES[::3])
 def test_batch_equals_each_prompt_alone(routing, causal_router):
-    model = make_model(routing=routing, causal_router=causal_router)
+    model = make_model(routing=routing, causal_router=causal_router, dtype=F64)
     prompts = make_prompts((9, 3, 14, 6), seed=2)
     kw = dict(temperature=0, return_logits=True, return_routing=True)
     batch = generate(model, prompts, N_NEW, **kw)
     for b, p in enumerate(prompts):
         alone = generate(model, [p], N_NEW, **kw)
         assert batch.tokens[b] == alone.tokens[0], b
-        torch.testing.assert_close(batch.logits[b], alone.logits[0], **TOL32)
+        torch.testing.assert_close(batch.logits[b], alone.logits[0], **TOL64)
         assert torch.equal(batch.routing[b], alone.routing[0]), b
 
 
@@ -291,7 +246,7 @@ def _pick_eos(tokens: list[list[int]], n_new: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("routing", ["joint", "staggered"])
 def test_eos_stops_one_row_while_others_go_on(routing):
-    model = make_model(routing=routing, causal_router="predictor")
+    model = make_model(routing=routing, causal_router="predictor", dtype=F64)
     prompts = make_prompts((6, 10, 4, 9), seed=3)
     free = generate_reference(model, prompts, N_NEW)
     row, eos = _pick_eos(free.tokens, N_NEW)
@@ -332,7 +287,7 @@ def test_stream_yields_the_tokens_of_generate(temperature, top_k, seed):
 
 
 def test_max_new_tokens_zero_returns_empty_lists():
-    model = make_model(routing="staggered")
+    model = make_model(routing="staggered", dtype=F64)
     prompts = make_prompts()
     out = generate(model, prompts, 0, temperature=0, return_logits=True, return_routing=True)
     assert out.tokens == [[] for _ in prompts]
@@ -366,7 +321,7 @@ def test_same_seed_same_sample_other_seed_differs():
 def test_seeded_sampling_equals_sampling_from_recomputed_logits():
     """One row, temperature 1, top_k 7: the cached path samples exactly what the same seeded
     generator samples from the full causal forward recomputed at every step."""
-    model = make_model(routing="staggered", causal_router="aux_loss")
+    model = make_model(routing="staggered", causal_router="aux_loss", dtype=F64)
     prompt = make_prompts((6,))[0]
     out = generate(model, [prompt], 20, temperature=1.0, top_k=7, seed=11)
     g = torch.Generator().manual_seed(11)
@@ -452,7 +407,7 @@ def test_bad_arguments_raise_value_error(prompts, kw, needle):
 
 def test_prompt_filling_max_seq_len_exactly_is_allowed():
     """prompt + max_new_tokens == max_seq_len works (and equals the reference); one more raises."""
-    model = make_model(routing="staggered")
+    model = make_model(routing="staggered", dtype=F64)
     prompts = make_prompts((MAX_LEN - 6, 3))
     got = generate(model, prompts, 6, temperature=0, return_logits=True, return_routing=True)
     assert_same_generation(got, generate_reference(model, prompts, 6))
@@ -489,9 +444,11 @@ def test_cache_lengths_count_the_tokens_that_took_each_layer(routing, causal_rou
                     expected = int(decisions[b][:, attn_router_column(model, layer)].sum())
                 assert int(lengths[layer, b]) == expected, (step, layer, b)
         assert dec.cache.nbytes_used == int(lengths.sum()) * bytes_per_slot
-    # The decisions made by hand are the full causal forward's (the oracle for the counts above).
-    for b in range(len(prompts)):
-        assert torch.equal(decisions[b], causal_routes(model, dec.seqs[b]))
+    # The decisions made by hand are the full causal forward's (the oracle for the counts above),
+    # compared across code paths in float64 only (see the module docstring).
+    if dtype == F64:
+        for b in range(len(prompts)):
+            assert torch.equal(decisions[b], causal_routes(model, dec.seqs[b]))
     routed = [layer for layer, kind in enumerate(cfg.layer_kinds) if kind == "R"]
     lengths = dec.cache.lengths
     assert (lengths[routed] < lengths[1]).all() and (lengths[routed] > 0).any()  # 1 is dense
@@ -527,7 +484,7 @@ def test_unused_cache_slots_are_never_attended(routing):
     """Poison every slot past each row's length with huge values after prefill and after every
     step: decoding still equals the no-cache reference, so no unfilled slot (zero hole or a
     skipped token's leftover) is ever given attention weight."""
-    model = make_model(routing=routing)
+    model = make_model(routing=routing, dtype=F64)
     prompts = make_prompts()
     exp = generate_reference(model, prompts, N_NEW)
     dec = HandDecoder(model, prompts, N_NEW)
@@ -541,7 +498,7 @@ def test_unused_cache_slots_are_never_attended(routing):
                     hole = store[layer][b, :, int(lengths[layer, b]) :]
                     hole.copy_(1e4 * torch.randn(hole.shape, generator=g))
         for b in range(len(prompts)):
-            torch.testing.assert_close(logits[b], exp.logits[b][step], **TOL32)
+            torch.testing.assert_close(logits[b], exp.logits[b][step], **TOL64)
         logits, _ = dec.step()
     assert [s[n:] for s, n in zip(dec.seqs, LENS, strict=True)] == [t[:N_NEW] for t in exp.tokens]
     assert (dec.cache.lengths < dec.cache.lengths.max()).any()  # precondition: rows of unequal use
@@ -549,7 +506,9 @@ def test_unused_cache_slots_are_never_attended(routing):
 
 @pytest.mark.parametrize("routing", ["joint", "staggered"])
 def test_decode_runs_routed_blocks_only_on_the_rows_that_take_them(routing):
-    model = make_model(routing=routing, causal_router="predictor", n_layers=3, layer_pattern="RDR")
+    model = make_model(
+        routing=routing, causal_router="predictor", n_layers=3, layer_pattern="RDR", dtype=F64
+    )
     force_routing(model, take=False, layers=[2])  # layer 2: every token skips
     prompts = make_prompts((5, 11, 8, 3))
     calls = {}
@@ -601,7 +560,7 @@ def test_cached_keys_are_rotated_at_original_positions(routing):
     """Slot j of a layer holds the key (rotated at its original position) and value of the j-th
     token that took that layer: compared with the unrotated keys of the full causal forward,
     rotated here by the loop oracle's RoPE."""
-    model = make_model(routing=routing, causal_router="predictor")
+    model = make_model(routing=routing, causal_router="predictor", dtype=F64)
     cfg = model.config
     prompts = make_prompts()
     gen = Generation(model, prompts, N_NEW, 0.0, None, None, None, None, "causal", True)
@@ -624,15 +583,15 @@ def test_cached_keys_are_rotated_at_original_positions(routing):
             for j, pos in enumerate(took):
                 for h in range(H):
                     k_exp = rotate(raw[(layer, "k")][pos, h], pos, cfg.rope_theta)
-                    torch.testing.assert_close(cache.k[layer][b, h, j].double(), k_exp, **TOL32)
+                    torch.testing.assert_close(cache.k[layer][b, h, j], k_exp, **TOL64)
                     torch.testing.assert_close(
-                        cache.v[layer][b, h, j].double(), raw[(layer, "v")][pos, h], **TOL32
+                        cache.v[layer][b, h, j], raw[(layer, "v")][pos, h], **TOL64
                     )
 
 
 @pytest.mark.parametrize("routing", ["joint", "staggered"])
 def test_cache_grows_when_every_token_takes_every_block(routing):
-    model = make_model(routing=routing, causal_router="predictor")
+    model = make_model(routing=routing, causal_router="predictor", dtype=F64)
     force_routing(model, take=True)
     cfg = model.config
     prompts = make_prompts((20, 7))
@@ -659,9 +618,8 @@ def test_cache_past_max_len_raises_runtime_error():
     lens = torch.tensor([8, 8])
     cache = KVCache(cfg, 2, max_len=8, grow=True)
     logits, _ = prefill(model, idx, lens, cache)
-    cos, sin = rope_tables(cfg.head_dim, 9, cfg.rope_theta)
     with pytest.raises(RuntimeError, match="max_len"):
-        decode_step(model, logits.argmax(-1), torch.arange(2), lens.clone(), cache, cos, sin)
+        decode_step(model, logits.argmax(-1), torch.arange(2), cache)
     with pytest.raises(RuntimeError, match="max_len"):
         prefill(model, random_tokens(2, 9, seed=6), torch.tensor([9, 4]), KVCache(cfg, 2, 8))
 

@@ -5,6 +5,7 @@ No golden numbers: every expected value is recomputed here (tests/reference.py i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from fractions import Fraction
@@ -12,12 +13,14 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import randomise, reference_forward, topk_set
+from helpers import V, dense_twin_with_same_weights, random_tokens, tiny_config, unit_gates
+from helpers import make_model as _make_model
+from reference import reference_forward, topk_set
 
+import mixture_of_depths.model
 from mixture_of_depths import MoDConfig, MoDTransformer, capacity_tokens
-from mixture_of_depths.model import topk_indices
+from mixture_of_depths.routing import topk_indices
 
-V = 61  # vocabulary of the test models
 T = 23  # an awkward sequence length
 B = 3
 
@@ -27,42 +30,15 @@ TOL = STRICT = dict(rtol=0.0, atol=1e-10)
 
 
 def make_config(**overrides) -> MoDConfig:
-    base = dict(
-        vocab_size=V, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128,
-        layer_pattern="RDR", capacity=0.3, predictor_hidden=16,
-    )  # fmt: skip
-    return MoDConfig(**{**base, **overrides})
+    return tiny_config(**overrides)
 
 
 def tokens(batch: int = B, length: int = T, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def calibrate_predictors(model: MoDTransformer, idx: torch.Tensor) -> None:
-    """Shift each predictor's output bias so that about half of the tokens take its block.
-
-    A randomly initialised predictor often says "take" (or "skip") for every token. Routers are
-    calibrated in forward order on causal routing, since each one reads the previous ones' output.
-    """
-    n_routes = len(model(idx, routing="causal").routes)
-    for i in range(n_routes):
-        route = model(idx, routing="causal").routes[i]
-        with torch.no_grad():
-            fc2 = model.blocks[route.layer].predictor[route.kind].fc2
-            z = route.predictor_logits.flatten().sort().values
-            mid = len(z) // 2
-            # Midway between two neighbours, so that no token sits on the threshold 0.
-            fc2.bias -= (z[mid - 1] + z[mid]) / 2
+    return random_tokens(batch, length, seed)
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> MoDTransformer:
-    torch.manual_seed(seed)
-    model = MoDTransformer(make_config(**overrides))
-    randomise(model, seed + 1)
-    model = model.to(dtype).eval()
-    if model.config.causal_router == "predictor" and not model.config.is_dense:
-        calibrate_predictors(model, tokens(seed=seed + 100))
-    return model
+    return _make_model(make_config(**overrides), seed, dtype, calib_idx=tokens(seed=seed + 100))
 
 
 def assert_matches_reference(model, idx, routing, tol=TOL):  # noqa: ANN001, ANN201
@@ -114,10 +90,26 @@ def test_dense_model_matches_reference():
     assert torch.equal(model(idx, routing="causal").logits, out.logits)
 
 
-def test_float64_model_is_exact_in_float64():
-    """A model cast to float64 computes in float64 (RoPE too): the loop oracle agrees to 1e-10."""
+def test_oracle_tolerance_tells_float64_from_float32(monkeypatch):
+    """The oracle tests' 1e-10 can fail: the float64 model meets it, while the same model with
+    its rotary tables rounded to float32 (everything else float64) misses it by orders of
+    magnitude, and so does the model cast to float32. A float32 step anywhere in the vectorised
+    path would fail the comparisons above."""
     model = make_model(router_gate="raw")
-    assert_matches_reference(model, tokens(), "topk", tol=STRICT)
+    idx = tokens()
+    ref = reference_forward(model, idx, "topk").logits
+    torch.testing.assert_close(model(idx).logits, ref, **STRICT)
+
+    real = mixture_of_depths.model.rope_tables
+
+    def rope32(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        return tuple(t.float().double() for t in real(*args, **kwargs))
+
+    monkeypatch.setattr(mixture_of_depths.model, "rope_tables", rope32)
+    err_rope = float((model(idx).logits.detach() - ref).abs().max())
+    monkeypatch.undo()
+    err_f32 = float((copy.deepcopy(model).float()(idx).logits.detach().double() - ref).abs().max())
+    assert err_rope > 100 * STRICT["atol"] and err_f32 > 100 * STRICT["atol"], (err_rope, err_f32)
 
 
 # -- skipped tokens, counts, ordering, ties -----------------------------------------------------
@@ -279,36 +271,22 @@ def test_topk_mode_is_not_causal(mode):
 # -- dense equivalence --------------------------------------------------------------------------
 
 
-def _dense_twin_with_same_weights(model: MoDTransformer) -> MoDTransformer:
-    dense = MoDTransformer(model.config.dense_twin()).to(torch.float64)
-    result = dense.load_state_dict(model.state_dict(), strict=False)
-    assert result.missing_keys == []
-    assert all(".router." in k or ".predictor." in k for k in result.unexpected_keys)
-    return dense.eval()
-
-
-def _unit_gates(model: MoDTransformer) -> None:
-    for block in model.blocks:
-        if block.routed:
-            block.gate = lambda r, like: torch.ones_like(r, dtype=like.dtype)  # g = 1: dense
-
-
 @pytest.mark.parametrize("mode", ["joint", "staggered"])
-def test_full_capacity_with_unit_gate_equals_dense(mode):
+def test_full_capacity_with_unit_gate_equals_dense(mode, monkeypatch):
     model = make_model(routing=mode, capacity=1.0)
-    dense = _dense_twin_with_same_weights(model)
+    dense = dense_twin_with_same_weights(model)
     idx = tokens()
-    _unit_gates(model)
+    unit_gates(monkeypatch)
     out = model(idx, routing="topk")
     assert all(r.mask.all() for r in out.routes)
     torch.testing.assert_close(out.logits, dense(idx).logits, **STRICT)
 
 
 @pytest.mark.parametrize("mode", ["joint", "staggered"])
-def test_causal_all_take_with_unit_gate_equals_dense(mode):
+def test_causal_all_take_with_unit_gate_equals_dense(mode, monkeypatch):
     """A predictor that always says "take" makes causal routing dense; "skip" makes it identity."""
     model = make_model(routing=mode, causal_router="predictor")
-    dense = _dense_twin_with_same_weights(model)
+    dense = dense_twin_with_same_weights(model)
     idx = tokens()
     with torch.no_grad():
         for block in model.blocks:
@@ -316,7 +294,7 @@ def test_causal_all_take_with_unit_gate_equals_dense(mode):
                 for pred in block.predictor.values():
                     pred.fc2.weight.zero_()
                     pred.fc2.bias.fill_(5.0)
-    _unit_gates(model)
+    unit_gates(monkeypatch)
     out = model(idx, routing="causal")
     assert all(r.mask.all() for r in out.routes)
     torch.testing.assert_close(out.logits, dense(idx).logits, **STRICT)

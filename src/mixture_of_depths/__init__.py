@@ -3,9 +3,11 @@
 from .cache import KVCache
 from .config import PRESETS, MoDConfig, capacity_tokens
 from .generate import Generation, GenerationOutput, generate, generate_reference, stream
-from .model import MoDOutput, MoDTransformer, Route, routing_accuracy
+from .model import BLOCKS, MoDOutput, MoDTransformer
+from .routing import Route, routing_accuracy
 
 __all__ = [
+    "BLOCKS",
     "PRESETS",
     "Generation",
     "GenerationOutput",

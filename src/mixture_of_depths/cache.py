@@ -1,6 +1,14 @@
-"""`KVCache`: keys and values per layer and per row, holding only the tokens that took each layer.
+"""The KV-cache protocol the model's forward reads and writes, and `KVCache`, which holds only the
+tokens that took each layer.
 
-Layout: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l, head_dim) and
+`MoDTransformer.forward(idx, cache=...)` is the one forward path of training, prefill and decode: a
+block that runs attention hands its new keys and values to the cache (`Cache.attend`) and attends
+to what the cache gives back. On a prefill (the cache holds nothing yet) the cache stores the new
+tokens that took the layer and the prompt attends within itself, exactly as the full forward does;
+on a decode step (one new token per row) it appends the token's key and value and returns all
+that the layer holds for those rows. docs/semantics.md says what a layer stores and why.
+
+Layout of `KVCache`: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l, head_dim) and
 ``lengths[l, b]`` says how many slots of row b are filled. Slots are filled left to right with no
 holes: a routed layer appends a token only if the token took that layer (its attention sub-block,
 in staggered routing), so ``lengths[l, b]`` is the number of such tokens and slot j holds the j-th
@@ -13,20 +21,60 @@ size, when a row fills its buffer: in causal routing a layer may take more token
 capacity, and nothing is dropped. Writing past `max_len` (the full size) raises an error;
 `generate` sizes the cache so that it cannot.
 
-Lengths are kept on the host: the decode loop already knows on the host which rows take a layer,
-so no device-to-host copy is needed to read or check them.
+Lengths and positions are kept on the host: the decode loop already knows on the host which rows
+take a layer, so no device-to-host copy is needed to read or check them.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from .config import MoDConfig
+from .layers import KVHook, rope_tables
+from .precision import at_least_float32
 
 _MIN_SLOTS = 16
+
+
+class Cache(Protocol):
+    """What `MoDTransformer.forward` needs from a KV cache: positions, rotary tables, and one
+    call per attention that writes the new keys/values of the tokens that took the layer and
+    reads what the layer holds."""
+
+    max_len: int
+    device: torch.device
+
+    def positions(self) -> Tensor:
+        """(batch,) host: the tokens each row has processed, i.e. the position of its next one."""
+        ...
+
+    def rope(self) -> tuple[Tensor, Tensor]:
+        """Rotary tables (max_len, head_dim) in the cache's compute dtype."""
+        ...
+
+    def attend(
+        self, layer: int, k: Tensor, v: Tensor, mask: Tensor | None, take_BT: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store the keys/values (B, n_kv_heads, T, head_dim) of the new tokens with `take_BT` set
+        (all when None); return the keys, values and mask the new queries attend to."""
+        ...
+
+    def hook(self, layer: int, take_BT: Tensor | None) -> KVHook:
+        """`attend` for one layer, as the attention module calls it."""
+        ...
+
+    def subset(self, rows: Tensor) -> Cache:
+        """The same cache seen through some of its rows (sorted host indices)."""
+        ...
+
+    def advance(self, counts: Tensor | int) -> None:
+        """After a forward: each row has processed `counts` more tokens."""
+        ...
 
 
 class KVCache:
@@ -53,14 +101,62 @@ class KVCache:
         shape = (batch_size, config.n_kv_heads, 0, config.head_dim)
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
-        for kind in config.layer_kinds:
+        routed = set(config.routed_layers)
+        for layer in range(config.n_layers):
             slots = max_len
-            if grow and kind == "R":
+            if grow and layer in routed:
                 slots = min(max_len, max(_MIN_SLOTS, math.ceil(1.5 * config.capacity * max_len)))
             size = (*shape[:2], slots, shape[3])
             self.k.append(torch.zeros(size, device=self.device, dtype=dtype))
             self.v.append(torch.zeros(size, device=self.device, dtype=dtype))
         self._lengths = torch.zeros(config.n_layers, batch_size, dtype=torch.long)
+        self._positions = torch.zeros(batch_size, dtype=torch.long)
+        self._all_rows = torch.arange(batch_size)
+        self._prefilled = False
+        self.cos, self.sin = rope_tables(
+            config.head_dim, max_len, config.rope_theta, self.device, at_least_float32(dtype)
+        )
+
+    # -- the protocol ---------------------------------------------------------------------------
+    def positions(self) -> Tensor:
+        return self._positions.clone()
+
+    def rope(self) -> tuple[Tensor, Tensor]:
+        return self.cos, self.sin
+
+    def attend(
+        self,
+        layer: int,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        take_BT: Tensor | None = None,
+        rows: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        if not self._prefilled:  # the prompt attends within itself, as in the full forward
+            if rows is not None:
+                raise ValueError("a prefill fills every row of the cache: run the whole batch")
+            self.write_prefill(layer, k, v, take_BT)
+            return k, v, mask
+        if k.shape[2] != 1 or take_BT is not None:
+            raise ValueError(
+                "after its prefill a KV cache takes one new token per row and forward (a decode "
+                f"step) and only tokens that take the layer; got {k.shape[2]} tokens per row"
+            )
+        return self.append_and_read(layer, self._all_rows if rows is None else rows, k, v)
+
+    def hook(self, layer: int, take_BT: Tensor | None, rows: Tensor | None = None) -> KVHook:
+        return partial(self.attend, layer, take_BT=take_BT, rows=rows)
+
+    def subset(self, rows: Tensor) -> CacheRows:
+        return CacheRows(self, rows)
+
+    def advance(self, counts: Tensor | int, rows: Tensor | None = None) -> None:
+        if rows is None:
+            self._positions += counts
+        else:
+            self._positions[rows] += counts
+        self._prefilled = True
 
     # -- what is held ---------------------------------------------------------------------------
     @property
@@ -103,12 +199,17 @@ class KVCache:
             grown[:, :, :have] = old
             store[layer] = grown
 
-    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor) -> None:
-        """Store, for each row, the keys/values of the prompt tokens with ``take_BT`` set, in order.
-
-        `k`, `v`: (B, n_kv_heads, T, head_dim) for the whole padded prompt. The cache must be empty.
-        """
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
+        """Store, for each row, the keys/values of the prompt tokens with ``take_BT`` set (all when
+        None), in order. `k`, `v`: (B, n_kv_heads, T, head_dim) for the whole padded prompt. The
+        layer must be empty."""
         B, _, T, _ = k.shape
+        if take_BT is None:
+            self._ensure(layer, T)
+            self.k[layer][:, :, :T] = k.to(self.dtype)
+            self.v[layer][:, :, :T] = v.to(self.dtype)
+            self._lengths[layer] = T
+            return
         counts = take_BT.sum(1).cpu()
         self._ensure(layer, int(counts.max()))
         # A stable sort on "skipped" moves each row's taken tokens to the front, in order.
@@ -149,3 +250,40 @@ class KVCache:
         if n == self.batch_size:
             return K[:, :, :S], V[:, :, :S], valid[:, None, None, :]
         return K[dev_rows, :, :S], V[dev_rows, :, :S], valid[:, None, None, :]
+
+
+class CacheRows:
+    """Some rows of a `KVCache` (sorted host indices), with the same protocol: the rows still
+    generating, or those whose token takes a routed layer on a decode step."""
+
+    def __init__(self, cache: KVCache, rows: Tensor) -> None:
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        if rows.dim() != 1 or not len(rows):
+            raise ValueError(f"rows must be a non-empty 1-d tensor of indices, got {rows!r}")
+        if (rows[1:] <= rows[:-1]).any() or rows[0] < 0 or rows[-1] >= cache.batch_size:
+            raise ValueError(
+                f"rows must be strictly increasing indices in [0, {cache.batch_size}), got "
+                f"{rows.tolist()}"
+            )
+        self.cache, self.rows = cache, rows
+        self.max_len, self.device = cache.max_len, cache.device
+
+    def positions(self) -> Tensor:
+        return self.cache._positions[self.rows]
+
+    def rope(self) -> tuple[Tensor, Tensor]:
+        return self.cache.rope()
+
+    def attend(
+        self, layer: int, k: Tensor, v: Tensor, mask: Tensor | None, take_BT: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        return self.cache.attend(layer, k, v, mask, take_BT, self.rows)
+
+    def hook(self, layer: int, take_BT: Tensor | None) -> KVHook:
+        return self.cache.hook(layer, take_BT, self.rows)
+
+    def subset(self, rows: Tensor) -> CacheRows:
+        return CacheRows(self.cache, self.rows[torch.as_tensor(rows, dtype=torch.long).cpu()])
+
+    def advance(self, counts: Tensor | int) -> None:
+        self.cache.advance(counts, self.rows)

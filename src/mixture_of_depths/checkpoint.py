@@ -14,76 +14,19 @@ old checkpoint or the new one, never a mixture. Nothing is ever unpickled.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .config import MoDConfig
-
-
-def _umask_mode(default: int = 0o666) -> int:
-    """The mode a plain open() would give: mkstemp/mkdtemp create 0600/0700 files."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return default & ~mask
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """`write(tmp)` into a temp file beside `path`, fsync it, then rename it over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:  # on disk before the rename makes it visible
-            os.fsync(f.fileno())
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
-def atomic_save_tensors(
-    path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None
-) -> None:
-    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    _atomic_write(path, lambda tmp: save_file(cpu, tmp, metadata))
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
+from .fileio import atomic_save_tensors, fsync_dir, read_json, umask_mode, write_json
+from .model import MoDTransformer
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -133,7 +76,7 @@ def save_checkpoint(
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
     try:
-        os.chmod(tmp, _umask_mode(0o777))
+        os.chmod(tmp, umask_mode(0o777))
         write_json(tmp / "config.json", config.to_dict())
         atomic_save_tensors(tmp / "model.safetensors", model_tensors(model), {"format": "pt"})
         if optimizer is not None:
@@ -144,7 +87,7 @@ def save_checkpoint(
             write_json(tmp / "trainer.json", trainer_state)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = final.with_name(f".{final.name}.old")
         if final.exists():
             # `final` is good, so a stale `old` may go; then keep the previous checkpoint as `old`
@@ -153,7 +96,7 @@ def save_checkpoint(
             os.replace(final, old)
         # (If only `old` exists, a crash hit between the renames: it stays until `tmp` is placed.)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,10 +117,8 @@ def resolve_checkpoint(directory: str | Path) -> Path:
 
 def load_model(
     directory: str | Path, map_location: str | torch.device = "cpu"
-) -> tuple[nn.Module, MoDConfig]:
+) -> tuple[MoDTransformer, MoDConfig]:
     """Rebuild a `MoDTransformer` from a checkpoint directory."""
-    from .model import MoDTransformer
-
     d = resolve_checkpoint(directory)
     config = MoDConfig.from_dict(read_json(d / "config.json"))
     model = MoDTransformer(config)

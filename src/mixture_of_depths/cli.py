@@ -196,7 +196,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     model_over = _given(args, MoDConfig)
     train_over = _given(args, TrainConfig)
     if args.resume:
-        from .checkpoint import read_json, resolve_checkpoint
+        from .checkpoint import resolve_checkpoint
+        from .fileio import read_json
 
         out = train_over.get("out", TrainConfig.out)
         ckpt = resolve_checkpoint(Path(out) / "checkpoint")
@@ -365,7 +366,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
     from .flops import estimate_flops, format_report
 
     if args.checkpoint is not None:
-        from .checkpoint import read_json, resolve_checkpoint
+        from .checkpoint import resolve_checkpoint
+        from .fileio import read_json
 
         cfg = MoDConfig.from_dict(read_json(resolve_checkpoint(args.checkpoint) / "config.json"))
     else:

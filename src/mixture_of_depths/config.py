@@ -2,8 +2,8 @@
 
 A model is a stack of blocks described by `layer_pattern`, a string of ``D`` (dense) and ``R``
 (routed) tiled over the layers: ``"DR"`` on 8 layers is D R D R D R D R. ``"D"`` is the dense
-baseline, built by the same code. The capacity rounding used everywhere (model, FLOP counter,
-tests) is `capacity_tokens`.
+baseline, built by the same code. The capacity rounding used everywhere (model, prefill, FLOP
+counter, tests) is `capacity_tokens`. docs/semantics.md states the semantics these fields select.
 """
 
 from __future__ import annotations
@@ -16,23 +16,49 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from .fileio import atomic_write_text
+
 ROUTING_MODES = ("joint", "staggered")
 ROUTER_GATES = ("raw", "sigmoid")
 CAUSAL_ROUTERS = ("aux_loss", "predictor")
 ROUTER_SCORES = ("learned", "random")
 
 
-def capacity_tokens(capacity: float, seq_len: int) -> int:
-    """Tokens a routed block processes per sequence of `seq_len` in top-k mode.
+def capacity_ratio(capacity: float) -> tuple[int, int]:
+    """The capacity as the exact fraction of the decimal it prints as: 0.29 -> (29, 100).
 
-    ``k = floor(capacity * seq_len)``, computed exactly on the decimal the float prints as
-    (``repr``), so 0.29 * 100 gives 29 although the float product is 28.999999999999996.
-    When ``capacity * seq_len < 1`` this is 0: the block processes no token and every token rides
-    the residual stream unchanged. We never round up to 1: that would make a one-token step dense.
+    The float 0.29 is 0.28999999999999998; reading its shortest decimal (``repr``) instead gives
+    the capacity the user wrote, so 0.29 of 100 tokens is 29 tokens, not 28.
     """
-    if seq_len < 0:
+    if isinstance(capacity, bool) or not (
+        isinstance(capacity, int | float) and 0.0 < capacity <= 1.0
+    ):
+        raise ValueError(f"capacity must be in (0, 1], got {capacity!r}")
+    frac = Fraction(repr(float(capacity)))
+    return frac.numerator, frac.denominator
+
+
+def capacity_tokens(capacity: float | tuple[int, int], seq_len: Any) -> Any:
+    """Tokens a routed block processes per sequence of `seq_len` in top-k mode: the one rounding
+    function of the project (model, prefill, FLOP counter and tests all call it).
+
+    ``k = floor(capacity * seq_len)`` in exact integer arithmetic on `capacity_ratio` (or on a
+    ratio ``(num, den)`` given directly). `seq_len` is an int, or an integer tensor of per-row
+    lengths (prefill of prompts of different lengths). When ``capacity * seq_len < 1`` this is 0:
+    the block processes no token and every token rides the residual stream unchanged. It is never
+    rounded up to 1: that would make a one-token step dense.
+    """
+    num, den = capacity if isinstance(capacity, tuple) else capacity_ratio(capacity)
+    if isinstance(seq_len, int) and seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
-    return min(seq_len, math.floor(Fraction(repr(float(capacity))) * seq_len))
+    return num * seq_len // den  # <= seq_len since num <= den
+
+
+# The letters of `layer_pattern`. Each maps to one block class in model.BLOCKS (and its cost).
+LAYER_KINDS = {
+    "D": "dense block: every token takes it",
+    "R": "routed block: a router picks the tokens that take it",
+}
 
 
 @dataclass(frozen=True)
@@ -93,20 +119,16 @@ class MoDConfig:
             raise ValueError(
                 f"layer_pattern must be a non-empty string of 'D'/'R', got {self.layer_pattern!r}"
             )
-        bad = sorted(set(self.layer_pattern) - {"D", "R"})
+        bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
         if bad:
+            allowed = "; ".join(f"{k!r} ({v})" for k, v in LAYER_KINDS.items())
             raise ValueError(
-                f"layer_pattern={self.layer_pattern!r} has unknown letters {bad}; allowed: 'D' "
-                "(dense block) and 'R' (routed block)"
+                f"layer_pattern={self.layer_pattern!r} has unknown letters {bad}; allowed: "
+                + allowed
             )
-        if isinstance(self.capacity, bool) or not (
-            isinstance(self.capacity, int | float) and 0.0 < self.capacity <= 1.0
-        ):
-            raise ValueError(f"capacity must be in (0, 1], got {self.capacity!r}")
-        object.__setattr__(self, "capacity", float(self.capacity))
-        frac = Fraction(repr(self.capacity))
         # Derived, not a field: the exact capacity as integers for `capacity_tokens`.
-        object.__setattr__(self, "_capacity_ratio", (frac.numerator, frac.denominator))
+        object.__setattr__(self, "_capacity_ratio", capacity_ratio(self.capacity))
+        object.__setattr__(self, "capacity", float(self.capacity))
         for name, allowed in (
             ("routing", ROUTING_MODES),
             ("router_gate", ROUTER_GATES),
@@ -146,11 +168,10 @@ class MoDConfig:
         """The capacity as an exact fraction (numerator, denominator) of its decimal value."""
         return self._capacity_ratio
 
-    def capacity_tokens(self, seq_len: int) -> int:
-        """`capacity_tokens(self.capacity, seq_len)` in integer arithmetic on the exact decimal
-        fraction, so torch.compile traces it (a `Fraction` would break the graph)."""
-        num, den = self.capacity_ratio
-        return min(seq_len, (num * seq_len) // den)
+    def capacity_tokens(self, seq_len: Any) -> Any:
+        """`capacity_tokens` at this capacity, on the precomputed ratio: plain integer arithmetic
+        that torch.compile traces (building a `Fraction` would break the graph)."""
+        return capacity_tokens(self._capacity_ratio, seq_len)
 
     def dense_twin(self) -> MoDConfig:
         """The same model with every block dense: the baseline of the same size."""
@@ -171,8 +192,6 @@ class MoDConfig:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
         if path is not None:
-            from .checkpoint import atomic_write_text
-
             atomic_write_text(Path(path), text + "\n")
         return text
 

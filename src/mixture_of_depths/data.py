@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .checkpoint import atomic_save_tensors, atomic_write_text
+from .fileio import atomic_save_tensors, atomic_write_text
 
 __all__ = [
     "BPETokenizer",

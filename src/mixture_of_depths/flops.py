@@ -16,14 +16,20 @@ so its first layer's backward only computes the weight gradient.
 Decode is an expectation per generated token at a given context length, from the share of tokens
 that take each routed layer (`take_rate`, the capacity by default): a routed layer costs its router
 (and predictor) always, and its block and attention over the keys it caches only when taken.
+
+Every figure is a sum of the layer kinds' own cost functions (`model.BLOCKS[kind].cost`, priced by
+the modules in layers.py), so a new block kind brings its FLOPs with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import MoDConfig
+from .layers import Attention
+from .model import BLOCKS
 
 
 @dataclass
@@ -87,6 +93,7 @@ class FlopReport:
 
     @property
     def _predictor_fc1_share(self) -> float:
+        """The predictor's first layer reads a detached stream: no input gradient there."""
         d, h = self.config.d_model, self.config.predictor_hidden
         return d * h / (d * h + h) if self.config.causal_router == "predictor" else 0.0
 
@@ -112,39 +119,7 @@ class FlopReport:
         return out
 
 
-def _projection_flops(cfg: MoDConfig) -> float:
-    """Per token: 2 * (multiply-adds of wqkv, wo, w13 and w2)."""
-    d, hd, h, hkv, f = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
-    return 2 * (d * (h + 2 * hkv) * hd + h * hd * d + d * 2 * f + f * d)
-
-
-def _router_flops(cfg: MoDConfig) -> tuple[float, float]:
-    """Per token and router: the router's x @ w, and the predictor's two layers."""
-    d, hp = cfg.d_model, cfg.predictor_hidden
-    predictor = 2 * (d * hp + hp) if cfg.causal_router == "predictor" else 0.0
-    return 2 * d, predictor
-
-
-def estimate_flops(
-    config: MoDConfig,
-    seq_len: int,
-    batch_size: int = 1,
-    *,
-    take_rate: float | list[float] | None = None,
-    decode_context: int | None = None,
-    bytes_per_element: int = 2,
-    with_dense: bool = True,
-) -> FlopReport:
-    """FLOPs of `config` on `batch_size` sequences of `seq_len` tokens, per layer and in total.
-
-    `take_rate`: share of generated tokens that take each routed layer, for the decode figures
-    (default: the capacity). `decode_context`: context length of the decode estimate (default:
-    `seq_len`). `bytes_per_element`: of the KV cache (2 for bf16). With `with_dense`, the dense
-    twin's report is attached as `.dense`.
-    """
-    if seq_len < 1 or batch_size < 1:
-        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
-    cfg, B, T = config, batch_size, seq_len
+def _take_rates(cfg: MoDConfig, take_rate: float | list[float] | None) -> list[float]:
     n_routed = len(cfg.routed_layers)
     if take_rate is None:
         takes = [cfg.capacity] * n_routed
@@ -157,38 +132,57 @@ def estimate_flops(
             f"take_rate must be one share in [0, 1] or one per routed layer ({n_routed}), "
             f"got {take_rate!r}"
         )
-    context = seq_len if decode_context is None else decode_context
-    proj = _projection_flops(cfg)
-    router_tok, predictor_tok = _router_flops(cfg)
-    head_width = cfg.n_heads * cfg.head_dim
-    n_routers = 1 if cfg.routing == "joint" else 2
-    kv_per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * bytes_per_element
+    return takes
 
+
+def estimate_flops(
+    config: MoDConfig,
+    seq_len: int,
+    batch_size: int = 1,
+    *,
+    take_rate: float | list[float] | None = None,
+    decode_context: int | None = None,
+    bytes_per_element: int = 2,
+    with_dense: bool = True,
+) -> FlopReport:
+    """FLOPs of `config` on `batch_size` sequences of `seq_len` tokens, per layer and in total:
+    the sum of each layer kind's own cost function (`BLOCKS[kind].cost`).
+
+    `take_rate`: share of generated tokens that take each routed layer, for the decode figures
+    (default: the capacity). `decode_context`: context length of the decode estimate (default:
+    `seq_len`). `bytes_per_element`: of the KV cache (2 for bf16). With `with_dense`, the dense
+    twin's report is attached as `.dense`.
+    """
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+    cfg, B, T = config, batch_size, seq_len
+    takes = iter(_take_rates(cfg, take_rate))
+    context = seq_len if decode_context is None else decode_context
     layers: list[LayerFlops] = []
     decode, kv_bytes = 0.0, 0.0
-    take_iter = iter(takes)
     for i, kind in enumerate(cfg.layer_kinds):
-        n = T if kind == "D" else cfg.capacity_tokens(T)
-        routed = kind == "R"
+        block = BLOCKS[kind]
+        full = block.cost(cfg, T)  # top-k, full attention products (FlopCounterMode's count)
+        n = full.attn_tokens
+        causal = block.cost(cfg, T, keys=(n + 1) / 2)  # the n(n+1)/2 pairs a causal mask keeps
         layers.append(
             LayerFlops(
                 layer=i,
                 kind=kind,
-                tokens=n,
-                # In staggered routing each sub-block takes its own k = capacity_tokens(T) tokens.
-                matmul=B * n * proj,
-                attention=B * 4 * head_width * n * n,
-                attention_causal=B * 4 * head_width * n * (n + 1) / 2,
-                router=B * T * router_tok * n_routers if routed else 0.0,
-                predictor=B * T * predictor_tok * n_routers if routed else 0.0,
+                tokens=int(n),
+                matmul=B * full.matmul,
+                attention=B * full.attention,
+                attention_causal=B * causal.attention,
+                router=B * full.router,
+                predictor=B * full.predictor,
             )
         )
-        p = next(take_iter) if routed else 1.0
-        # One new token: its projections, and attention over the keys this layer caches.
-        decode += p * (proj + 4 * head_width * p * context)
-        if routed:  # every token asks the router(s); staggered sub-blocks share the rate
-            decode += n_routers * (router_tok + predictor_tok)
-        kv_bytes += p * kv_per_token_layer
+        # One new token: it takes the layer with probability p, and attends over the keys the
+        # layer caches (the same share p of the context).
+        p = next(takes) if block.routed else 1.0
+        step = block.cost(cfg, 1, attn=p, mlp=p, keys=p * context)
+        decode += step.flops
+        kv_bytes += step.attn_tokens * Attention.kv_entry(cfg) * bytes_per_element
     lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
     report = FlopReport(
         config=cfg,
@@ -196,7 +190,7 @@ def estimate_flops(
         batch_size=B,
         layers=layers,
         lm_head=B * T * lm_head_tok,
-        take_rate=takes,
+        take_rate=_take_rates(cfg, take_rate),
         decode_context=context,
         decode_per_token=decode + lm_head_tok,
         kv_bytes_per_token=kv_bytes,
@@ -212,6 +206,55 @@ def estimate_flops(
             with_dense=False,
         )
     return report
+
+
+def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[float, float]]:
+    """Per layer (attention share, MLP share) of the tokens that run it, from per-router shares in
+    router order (``generate.router_names``): (1, 1) for a dense layer, (r, r) for joint routing,
+    (r_attn, r_mlp) for staggered routing."""
+    it = iter(per_router)
+    shares = []
+    for block_kind in cfg.layer_kinds:
+        if not BLOCKS[block_kind].routed:
+            shares.append((1.0, 1.0))
+        elif cfg.routing == "joint":
+            r = next(it)
+            shares.append((r, r))
+        else:
+            shares.append((next(it), next(it)))
+    return shares
+
+
+def decode_cost(
+    cfg: MoDConfig,
+    take: Sequence[tuple[float, float]],
+    cached: Sequence[float],
+    context: float,
+    *,
+    busy: Sequence[tuple[float, float]] | None = None,
+    batch_size: int = 1,
+    element_size: int = 2,
+) -> tuple[float, float]:
+    """(FLOPs per decoded token, bytes read per decode step of `batch_size` rows), from each layer
+    kind's cost function.
+
+    Per layer: `take` (attention, MLP) shares of the decoded tokens that run it (`layer_shares`),
+    `cached` the share of the `context` it holds, `busy` the shares of steps in which some row
+    ran its attention and its MLP (its weights are read once per such step: at batch 8 and 12.5%
+    about 1 - 0.875^8 = 66%; default: `take`, right at batch 1). Bytes: weights read (routers and
+    predictors every step) plus each attending row's cached keys and values, plus the lm_head.
+    Small-batch decoding is bound by these bytes more than by its FLOPs.
+    """
+    busy = take if busy is None else busy
+    flops = 2.0 * cfg.d_model * cfg.vocab_size  # lm_head
+    elements = float(cfg.d_model * cfg.vocab_size)
+    for kind, (a, m), (ba, bm), c in zip(cfg.layer_kinds, take, busy, cached, strict=True):
+        cost = BLOCKS[kind].cost
+        work = cost(cfg, 1, attn=a, mlp=m, keys=c * context)
+        flops += work.flops
+        weights = cost(cfg, 1, attn=ba, mlp=bm, keys=0).params
+        elements += weights + batch_size * work.kv_entries * Attention.kv_entry(cfg)
+    return flops, elements * element_size
 
 
 def format_report(report: FlopReport) -> str:

@@ -1,7 +1,7 @@
 """Causal sampling from MoD models with a KV cache that holds only the tokens that took each block.
 
 Top-k routing reads the whole sequence, so it cannot decide for a token that has not been seen
-yet. Generation therefore uses the causal decision (DESIGN.md section 1): a token takes a routed
+yet. Generation therefore uses the causal decision (docs/semantics.md): a token takes a routed
 block iff its router logit (``aux_loss`` mode) or its predictor logit (``predictor`` mode) is > 0.
 Prefill in ``"causal"`` mode makes exactly the decisions decoding makes, so cached generation
 equals running the full causal forward again at every step (`generate_reference`, the slow path
@@ -9,8 +9,9 @@ the tests compare against). ``prefill="topk"`` routes the prompt with the paper'
 prompt instead: the cache then holds what top-k chose, which decoding would not have chosen, so it
 is an approximation.
 
-A decode step gathers, for each routed (sub-)block, the rows whose new token takes it, and runs
-the block on those rows only; rows that skip do no work there and add nothing to that layer's
+`prefill` and `decode_step` are short drivers around `MoDTransformer.forward` with a KV cache:
+the model's one forward path does the work. In a decode step a routed (sub-)block runs only on the
+rows whose new token takes it; rows that skip do no work there and add nothing to that layer's
 cache.
 """
 
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .cache import KVCache
-from .config import MoDConfig
-from .model import KVHook, MoDTransformer, causal_attention_mask, rope_tables, route_name
+from .cache import Cache, KVCache
+from .model import MoDTransformer
+from .precision import at_least_float32
+from .routing import Route, route_name
 
 PREFILL_MODES = ("causal", "topk")
 
@@ -51,10 +53,6 @@ class GenerationOutput:
     router_names: list[str] = field(default_factory=list)
     routing: list[Tensor] | None = None
     logits: list[Tensor] | None = None
-
-
-def _out_dtype(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)  # bf16 logits come back as float32
 
 
 def router_names(model: MoDTransformer) -> list[str]:
@@ -135,144 +133,37 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-# -- the cached forward ---------------------------------------------------------------------------
-def _store_prompt(cache: KVCache, layer: int, take_BT: Tensor) -> KVHook:
-    def hook(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        cache.write_prefill(layer, k, v, take_BT)
-        return k, v, mask  # the prompt attends within itself, as in the full forward
-
-    return hook
-
-
-def _append_and_read(cache: KVCache, layer: int, rows: Tensor) -> KVHook:
-    def hook(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        return cache.append_and_read(layer, rows, k, v)
-
-    return hook
-
-
-def _topk_take(r_BT: Tensor, lens: Tensor, config: MoDConfig) -> Tensor:
-    """The paper's top-k over each row's prompt: capacity_tokens(capacity, len) tokens per row."""
-    B, T = r_BT.shape
-    device = r_BT.device
-    lens = lens.to(device)
-    valid = torch.arange(T, device=device)[None, :] < lens[:, None]
-    num, den = config.capacity_ratio  # capacity_tokens, vectorised over the rows
-    k_B = torch.minimum(lens, (num * lens) // den)
-    order = torch.sort(
-        r_BT.masked_fill(~valid, float("-inf")), dim=1, descending=True, stable=True
-    ).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=device).expand(B, T))
-    return rank < k_B[:, None]
+# -- the drivers: the model's own forward, with a cache ------------------------------------------
+def routing_table(routes: list[Route], batch: int, seq_len: int) -> Tensor:
+    """The routes' decisions as one host bool tensor (B, T, n_routers), routers in layer order."""
+    if not routes:
+        return torch.zeros(batch, seq_len, 0, dtype=torch.bool)
+    return torch.stack([r.mask for r in routes], -1).cpu()
 
 
 @torch.no_grad()
 def prefill(
-    model: MoDTransformer, idx_BT: Tensor, lens: Tensor, cache: KVCache, mode: str = "causal"
+    model: MoDTransformer, idx_BT: Tensor, lens: Tensor, cache: Cache, mode: str = "causal"
 ) -> tuple[Tensor, Tensor]:
-    """Run right-padded prompts (B, T) with host lengths `lens`, filling `cache`.
-
-    Returns the logits at each row's last prompt token (B, vocab) and the routing decisions
-    (B, T, n_routers) as a host bool tensor.
-    """
+    """Run right-padded prompts (B, T) with host lengths `lens` through the model, filling the
+    empty `cache`. Returns the logits at each row's last prompt token (B, vocab) and the routing
+    decisions (B, T, n_routers) on the host."""
     B, T = idx_BT.shape
-    device = idx_BT.device
-    valid_BT = torch.arange(T, device=device)[None, :] < lens.to(device)[:, None]
-    x_BTD = model.embed(idx_BT)
-    cos_T, sin_T = rope_tables(
-        model.config.head_dim,
-        T,
-        model.config.rope_theta,
-        device,
-        torch.promote_types(x_BTD.dtype, torch.float32),
-    )
-    decisions = []
-    for block in model.blocks:
-        if not block.routed:
-            kv = _store_prompt(cache, block.layer, valid_BT)
-            x_BTD = x_BTD + block.update("block", x_BTD, cos_T, sin_T, None, kv)
-            continue
-        for kind in block.route_kinds:
-            r_BT, pred_BT = block.router_logits(kind, x_BTD)
-            if mode == "causal":
-                take_BT = ((r_BT if pred_BT is None else pred_BT) > 0) & valid_BT
-            else:
-                take_BT = _topk_take(r_BT, lens, model.config)
-            kv = None if kind == "mlp" else _store_prompt(cache, block.layer, take_BT)
-            f_BTD = block.update(kind, x_BTD, cos_T, sin_T, causal_attention_mask(take_BT), kv)
-            x_BTD = torch.where(
-                take_BT.unsqueeze(-1), x_BTD + block.gate(r_BT, x_BTD).unsqueeze(-1) * f_BTD, x_BTD
-            )
-            decisions.append(take_BT)
-    last_BD = x_BTD[torch.arange(B, device=device), lens.to(device) - 1]
-    logits = model.lm_head(model.norm(last_BD))
-    routing = (
-        torch.stack(decisions, -1).cpu() if decisions else torch.zeros(B, T, 0, dtype=torch.bool)
-    )
-    return logits, routing
+    out = model(idx_BT, routing=mode, cache=cache, lengths=lens, last_only=True)
+    return out.logits[:, 0], routing_table(out.routes, B, T)
 
 
 @torch.no_grad()
 def decode_step(
-    model: MoDTransformer,
-    tokens: Tensor,
-    rows: Tensor,
-    positions: Tensor,
-    cache: KVCache,
-    cos_S: Tensor,
-    sin_S: Tensor,
+    model: MoDTransformer, tokens: Tensor, rows: Tensor, cache: KVCache
 ) -> tuple[Tensor, Tensor]:
-    """Feed one token for each of `rows` (host ids) at `positions` (host); returns logits (n, V)
-    and the routing decisions (n, n_routers) on the host.
-
-    A routed (sub-)block runs only on the rows whose token takes it: those rows are gathered, run
-    and scattered back, and only they append to that layer's cache.
-    """
-    device = cache.device
-    x_N1D = model.embed(tokens.to(device)).unsqueeze(1)
-    pos = positions.to(device)
-    cos_N, sin_N = cos_S[pos][:, None, None, :], sin_S[pos][:, None, None, :]
-    predictor_mode = model.config.causal_router == "predictor"
-    decisions = []
-    for block in model.blocks:
-        if not block.routed:
-            kv = _append_and_read(cache, block.layer, rows)
-            x_N1D = x_N1D + block.update("block", x_N1D, cos_N, sin_N, None, kv)
-            continue
-        for kind in block.route_kinds:
-            # The decision needs every row; the raw router weight (for the gate) only the takers.
-            r_N1 = None if predictor_mode else block.router_weight(kind, x_N1D)
-            logit_N1 = block.predictor[kind](x_N1D) if predictor_mode else r_N1
-            take = (logit_N1[:, 0] > 0).cpu()  # the one host sync of a routed layer
-            decisions.append(take)
-            sel = take.nonzero().squeeze(1)
-            m = sel.numel()
-            if m == 0:
-                continue
-            if m == len(rows):
-                x_M1D, sel_d = x_N1D, None
-                cos_M, sin_M = cos_N, sin_N
-            elif m == 1:  # the common case at low capacity: slices, not gathers
-                i = int(sel[0])
-                x_M1D, sel_d = x_N1D[i : i + 1], sel.to(device)
-                cos_M, sin_M = cos_N[i : i + 1], sin_N[i : i + 1]
-            else:
-                sel_d = sel.to(device)
-                x_M1D, cos_M, sin_M = x_N1D[sel_d], cos_N[sel_d], sin_N[sel_d]
-            kv = None if kind == "mlp" else _append_and_read(cache, block.layer, rows[sel])
-            f_M1D = block.update(kind, x_M1D, cos_M, sin_M, None, kv)
-            r_M1 = (
-                block.router_weight(kind, x_M1D)
-                if predictor_mode
-                else (r_N1 if sel_d is None else r_N1[sel_d])
-            )
-            y_M1D = x_M1D + block.gate(r_M1, x_M1D).unsqueeze(-1) * f_M1D
-            x_N1D = y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
-    logits = model.lm_head(model.norm(x_N1D[:, 0]))
-    routing = (
-        torch.stack(decisions, -1) if decisions else torch.zeros(len(rows), 0, dtype=torch.bool)
-    )
-    return logits, routing
+    """Feed one token (host ids) to each of `rows` (sorted host indices of cache rows); returns
+    logits (n, vocab) and the routing decisions (n, n_routers) on the host. Positions come from
+    the cache: each row's next position."""
+    view = cache if len(rows) == cache.batch_size else cache.subset(rows)
+    idx = tokens.to(cache.device)[:, None]
+    out = model(idx, routing="causal", cache=view, last_only=True)
+    return out.logits[:, 0], routing_table(out.routes, len(rows), 1)[:, 0]
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -315,13 +206,6 @@ class Generation:
         cfg = model.config
         total = int(self.lens.max()) + max_new_tokens
         self.cache = KVCache(cfg, len(self.lens), total, self.device, param.dtype)
-        self.cos_S, self.sin_S = rope_tables(
-            cfg.head_dim,
-            total,
-            cfg.rope_theta,
-            self.device,
-            torch.promote_types(param.dtype, torch.float32),
-        )
         self.prompt_routing: Tensor | None = None
         self.token_routing: dict[int, list[Tensor]] = {b: [] for b in range(len(self.lens))}
 
@@ -335,7 +219,6 @@ class Generation:
                 model, self.idx, self.lens, self.cache, self.prefill_mode
             )
             rows = torch.arange(len(self.lens))
-            positions = self.lens.clone()
             for step in range(self.max_new_tokens):
                 tokens = sample_next(logits, generator=self.generator, **self.sampling)
                 host = tokens.cpu()
@@ -346,13 +229,10 @@ class Generation:
                 last = step == self.max_new_tokens - 1
                 if not keep.any() or (last and not self.feed_last):
                     return
-                rows, host, positions = rows[keep], host[keep], positions[keep]
-                logits, routing = decode_step(
-                    model, host, rows, positions, self.cache, self.cos_S, self.sin_S
-                )
+                rows, host = rows[keep], host[keep]
+                logits, routing = decode_step(model, host, rows, self.cache)
                 for i, b in enumerate(rows.tolist()):
                     self.token_routing[b].append(routing[i])
-                positions = positions + 1
                 if last:
                     return
         finally:
@@ -429,7 +309,7 @@ def generate(
         for i, (b, t) in enumerate(zip(st.rows, st.tokens, strict=True)):
             tokens[b].append(t)
             if return_logits:
-                logits[b].append(st.logits[i].to(_out_dtype(st.logits)).cpu())
+                logits[b].append(st.logits[i].to(at_least_float32(st.logits.dtype)).cpu())
     out = GenerationOutput(tokens=tokens, router_names=router_names(model))
     if return_logits:
         V = model.config.vocab_size
@@ -467,7 +347,7 @@ def generate_reference(
                 logits = model(seq, routing="causal").logits[0, -1]
                 tok = int(logits.argmax())
                 new.append(tok)
-                step_logits.append(logits.to(_out_dtype(logits)).cpu())
+                step_logits.append(logits.to(at_least_float32(logits.dtype)).cpu())
                 if tok == eos_id:
                     break
                 seq = torch.cat([seq, seq.new_tensor([[tok]])], dim=1)

@@ -1,62 +1,44 @@
-"""The Mixture-of-Depths transformer: RMSNorm, RoPE, attention, SwiGLU MLP, routers, blocks, model.
+"""The Mixture-of-Depths transformer: one block class per letter of `layer_pattern` (`BLOCKS`), and
+the model, whose one forward path serves training, evaluation, prefill and decoding.
 
-Semantics (see DESIGN.md section 1). In a routed block the router reads the residual stream,
-``r = x @ w``; in top-k mode the ``k = capacity_tokens(capacity, T)`` highest-scoring tokens of each
-row, sorted by position, are gathered, run through the block (attending only among themselves, at
-their original rotary positions), and scattered back as ``x + g(r) * f`` where ``f`` is the block's
-update; every other token leaves bit for bit unchanged. In causal mode each token decides for
-itself (``sigmoid(logit) > 0.5``, i.e. ``logit > 0``, from the router or the predictor), so the
-decision for a token never depends on later tokens.
+docs/semantics.md states what is computed. A routed block's router reads the residual stream; in
+top-k mode the ``k = capacity_tokens(capacity, T)`` highest-scoring tokens of each row, in position
+order, are gathered, run through the block (attending only among themselves, at their original
+rotary positions) and scattered back as ``x + g(r) * f``, where ``f`` is the block's update; every
+other token leaves bit for bit unchanged. In causal mode each token decides for itself (its router
+or predictor logit > 0), so no decision reads a later token.
 
-Names with shape suffixes: B batch, T full sequence, K routed subset, D model width, H heads.
+With a KV cache (`cache.py`) the same blocks run a prefill (the prompt, as the full causal forward
+runs it, storing each layer's takers) or a decode step (one token per row; a routed block runs only
+on the rows whose token takes it). Each block kind also prices its own work (`cost`), which
+flops.py and the decode benchmark add up.
+
+Names with shape suffixes: B batch, T tokens of the forward, K routed subset, D model width.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache import Cache
 from .config import MoDConfig
-
-ROUTING_CHOICES = ("topk", "causal")
-
-# Generation's hook into attention: (new k, new v, mask) -> (keys, values, mask) to attend to.
-KVHook = Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor, Tensor | None]] | None
-
-
-def route_name(layer: int, kind: str) -> str:
-    return str(layer) if kind == "block" else f"{layer}.{kind}"
-
-
-@dataclass
-class Route:
-    """What one router did on one forward pass (returned, never stored on the module).
-
-    `mask` (B, T) bool: the tokens this router sent through its sub-block. `logits` (B, T): raw
-    router weights r. `target` (B, T) bool: top-k membership, the aux-loss target (equal to `mask`
-    in top-k mode). `predictor_logits` (B, T): the causal predictor's logits, predictor mode only.
-    """
-
-    layer: int
-    kind: str  # "block" (joint routing), "attn" or "mlp" (staggered routing)
-    mask: Tensor
-    logits: Tensor
-    target: Tensor
-    predictor_logits: Tensor | None = None
-
-    @property
-    def name(self) -> str:
-        """``"<layer>"`` for joint routing, ``"<layer>.<kind>"`` for staggered routing."""
-        return route_name(self.layer, self.kind)
-
-    @property
-    def decision_logits(self) -> Tensor:
-        """Logits of the causal decision: the predictor's in predictor mode, else the router's."""
-        return self.logits if self.predictor_logits is None else self.predictor_logits
+from .layers import MLP, Attention, KVHook, LayerCost, Predictor, RMSNorm, price, rope_tables
+from .precision import at_least_float32
+from .routing import (
+    ROUTING_CHOICES,
+    Route,
+    causal_attention_mask,
+    gate,
+    linear32,
+    positions_mask,
+    router_aux_loss,
+    topk_indices,
+    topk_mask,
+)
 
 
 @dataclass
@@ -68,185 +50,37 @@ class MoDOutput:
     routes: list[Route] = field(default_factory=list)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+@dataclass
+class Pass:
+    """What the blocks of one forward pass share: the routing mode, the rotary tables of the new
+    tokens' positions ((T, d), or (B, 1, 1, d) on a decode step) and, with a KV cache, the cache,
+    whether this is a decode step, and the real tokens of right-padded prompts."""
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    routing: str
+    cos: Tensor
+    sin: Tensor
+    cache: Cache | None = None
+    decode: bool = False
+    valid_BT: Tensor | None = None
+    lengths: Tensor | None = None  # (B,) on the device: real tokens per row
 
-
-def rope_tables(
-    head_dim: int,
-    seq_len: int,
-    theta: float,
-    device: torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[Tensor, Tensor]:
-    """Rotary tables (seq_len, head_dim): ``cat(cos, cos)`` and ``cat(-sin, sin)`` of the angles.
-
-    Computed in float64 and rounded once to `dtype`. Built per forward rather than kept as buffers,
-    so `model.to(torch.bfloat16)` cannot round the angles of far positions and a float64 model
-    gets float64 rotations. The signed, doubled layout makes `apply_rope` four ops.
-    """
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
-    )
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+    def kv(self, layer: int, take_BT: Tensor | None) -> KVHook | None:
+        return None if self.cache is None else self.cache.hook(layer, take_BT)
 
 
-def apply_rope(x_BHKd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair (x[i], x[i + d/2]) by its angle: ``x1 cos - x2 sin, x2 cos + x1 sin``.
-
-    cos/sin from `rope_tables`, broadcast to (B or 1, 1, K, d). Computed in at least float32.
-    """
-    x = x_BHKd.to(cos.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((x2, x1), -1) * sin).type_as(x_BHKd)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: MoDConfig) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        # One projection for q, k and v (rows in that order): one matmul instead of three.
-        self.wqkv = nn.Linear(
-            cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False
-        )
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
-
-    def qkv(self, x_BKD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys (both rotated) and values, shaped (B, heads, K, head_dim)."""
-        B, K, _ = x_BKD.shape
-        H, Hkv = self.n_heads, self.n_kv_heads
-        qkv = self.wqkv(x_BKD).view(B, K, H + 2 * Hkv, self.head_dim).transpose(1, 2)
-        qk, v = qkv.split((H + Hkv, Hkv), dim=1)
-        q, k = apply_rope(qk, cos, sin).split((H, Hkv), dim=1)  # rotate q and k in one go
-        return q, k, v
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """SDPA then the output projection.
-
-        `attn_mask` None means causal: query i sees keys <= i when queries and keys are the same
-        tokens, and a single query (a decode step) sees every key it is given.
-        """
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None and q.shape[-2] > 1,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-        B, _, K, _ = q.shape
-        return self.wo(y.transpose(1, 2).reshape(B, K, self.n_heads * self.head_dim))
-
-    def forward(
-        self, x_BKD: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, kv: KVHook = None
-    ) -> Tensor:
-        q, k, v = self.qkv(x_BKD, cos, sin)
-        if kv is not None:  # generation: store the new keys/values, attend to what the cache holds
-            k, v, attn_mask = kv(k, v, attn_mask)
-        return self.attend(q, k, v, attn_mask)
-
-
-class MLP(nn.Module):
-    """SwiGLU: w2(silu(x W1) * x W3), with W1 and W3 in one projection `w13` (rows: W1, then W3)."""
-
-    def __init__(self, cfg: MoDConfig) -> None:
-        super().__init__()
-        self.w13 = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        a, b = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(a) * b)
-
-
-class Predictor(nn.Module):
-    """Small MLP that predicts top-k membership causally from the router's (detached) input."""
-
-    def __init__(self, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_model, hidden)
-        self.fc2 = nn.Linear(hidden, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = F.silu(_linear32(x, self.fc1))
-        return _linear32(h, self.fc2).squeeze(-1)
-
-
-def _linear32(x: Tensor, lin: nn.Linear) -> Tensor:
-    """`lin(x)` in at least float32, also under bf16 autocast or in a bf16 model.
-
-    Routing decisions compare logits with each other (top-k) and with 0 (causal): in bf16 they
-    would tie often and flip between training (autocast) and generation (no autocast).
-    """
-    if x.dtype == lin.weight.dtype == torch.float32 and not torch.is_autocast_enabled(
-        x.device.type
-    ):
-        return F.linear(x, lin.weight, lin.bias)  # already float32: skip the context (decode)
-    dt = torch.promote_types(x.dtype, torch.float32)
-    bias = None if lin.bias is None else lin.bias.to(dt)
-    with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x.to(dt), lin.weight.to(dt), bias)
-
-
-def topk_indices(r_BT: Tensor, k: int) -> Tensor:
-    """Indices (B, k) of the k largest router weights per row, sorted ascending by position.
-
-    A stable descending sort breaks ties by position (earlier wins), so exactly k tokens are chosen
-    and the choice is deterministic; sorting the chosen indices keeps the subsequence causal.
-    """
-    order = torch.sort(r_BT, dim=-1, descending=True, stable=True).indices[:, :k]
-    return order.sort(dim=-1).values
-
-
-def positions_mask(idx_BK: Tensor, seq_len: int) -> Tensor:
-    return torch.zeros(idx_BK.shape[0], seq_len, dtype=torch.bool, device=idx_BK.device).scatter(
-        1, idx_BK, True
-    )
-
-
-def causal_attention_mask(take_BT: Tensor) -> Tensor:
-    """(B, 1, T, T) mask: query i sees key j iff j <= i and j took the block.
-
-    The diagonal is always open so rows of tokens that skip (whose outputs are discarded) are never
-    fully masked: a fully masked softmax row would give NaN and poison the backward pass.
-    """
-    T = take_BT.shape[1]
-    eye = torch.eye(T, dtype=torch.bool, device=take_BT.device)
-    lower = torch.ones(T, T, dtype=torch.bool, device=take_BT.device).tril()
-    return ((lower & take_BT[:, None, :]) | eye).unsqueeze(1)
-
-
+# -- blocks ---------------------------------------------------------------------------------------
 class Block(nn.Module):
-    """A pre-norm transformer block, dense or routed (joint or staggered)."""
+    """A pre-norm transformer block. Subclasses (one per layer kind) say which tokens take it."""
+
+    routed = False
 
     def __init__(self, cfg: MoDConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.routed = cfg.layer_kinds[layer] == "R"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
-        if self.routed:
-            self.route_kinds = ("block",) if cfg.routing == "joint" else ("attn", "mlp")
-            self.router = nn.ModuleDict(
-                {kind: nn.Linear(cfg.d_model, 1, bias=False) for kind in self.route_kinds}
-            )
-            if cfg.causal_router == "predictor":
-                self.predictor = nn.ModuleDict(
-                    {
-                        kind: Predictor(cfg.d_model, cfg.predictor_hidden)
-                        for kind in self.route_kinds
-                    }
-                )
 
     def update(
         self,
@@ -255,7 +89,7 @@ class Block(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: Tensor | None,
-        kv: KVHook = None,
+        kv: KVHook | None = None,
     ) -> Tensor:
         """The update f(x~) of sub-block `kind` ("block", "attn" or "mlp"); the outer residual is
         added by the caller. For the whole block, f = a + mlp(mlp_norm(x~ + a))."""
@@ -266,70 +100,185 @@ class Block(nn.Module):
             return a_BKD
         return a_BKD + self.mlp(self.mlp_norm(x_BKD + a_BKD))
 
-    def router_weight(self, kind: str, x_BTD: Tensor) -> Tensor:
-        """The raw router weight r = x @ w (B, T), in at least float32."""
-        if self.cfg.router_scores == "random":  # ablation: scores that know nothing
-            return torch.randn(x_BTD.shape[:-1], device=x_BTD.device)
-        return _linear32(x_BTD, self.router[kind]).squeeze(-1)
+    def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def cost(
+        cfg: MoDConfig,
+        tokens: float,
+        attn: float | None = None,
+        mlp: float | None = None,
+        keys: float | None = None,
+    ) -> LayerCost:
+        """The layer's work when `tokens` tokens reach it: `attn` / `mlp` of them run each
+        sub-block where the kind lets tokens choose (default: what top-k picks), and each attention
+        query sees `keys` keys (default: all the tokens that run attention)."""
+        raise NotImplementedError
+
+
+class DenseBlock(Block):
+    """Every token takes the block."""
+
+    def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
+        # A padded prompt stores only its real tokens (p.valid_BT) in the cache.
+        kv = p.kv(self.layer, p.valid_BT)
+        return x_BTD + self.update("block", x_BTD, p.cos, p.sin, None, kv), []
+
+    @staticmethod
+    def cost(
+        cfg: MoDConfig,
+        tokens: float,
+        attn: float | None = None,
+        mlp: float | None = None,
+        keys: float | None = None,
+    ) -> LayerCost:
+        return price(cfg, tokens, tokens, tokens, tokens if keys is None else keys, routers=0)
+
+
+class RoutedBlock(Block):
+    """A router (joint routing), or one for attention and one for the MLP (staggered routing),
+    picks the tokens that take the block; the others ride the residual stream unchanged."""
+
+    routed = True
+
+    def __init__(self, cfg: MoDConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.route_kinds = ("block",) if cfg.routing == "joint" else ("attn", "mlp")
+        self.router = nn.ModuleDict(
+            {kind: nn.Linear(cfg.d_model, 1, bias=False) for kind in self.route_kinds}
+        )
+        if cfg.causal_router == "predictor":
+            self.predictor = nn.ModuleDict(
+                {kind: Predictor(cfg.d_model, cfg.predictor_hidden) for kind in self.route_kinds}
+            )
 
     def router_logits(self, kind: str, x_BTD: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Raw router weights r (B, T) and, in predictor mode, the predictor's logits (float32
-        at least)."""
-        r_BT = self.router_weight(kind, x_BTD)
+        """Raw router weights r = x @ w (B, T) and, in predictor mode, the predictor's logits,
+        both in at least float32."""
+        if self.cfg.router_scores == "random":  # ablation: scores that know nothing
+            r_BT = torch.randn(x_BTD.shape[:-1], device=x_BTD.device)
+        else:
+            r_BT = linear32(x_BTD, self.router[kind]).squeeze(-1)
         if self.cfg.causal_router != "predictor":
             return r_BT, None
         # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
         return r_BT, self.predictor[kind](x_BTD.detach())
 
-    def gate(self, r: Tensor, like: Tensor) -> Tensor:
-        """g(r) in the dtype of the stream `like`, so the update keeps the stream's dtype."""
-        if self.cfg.router_scores == "random":
-            return torch.ones_like(r, dtype=like.dtype)
-        return (torch.sigmoid(r) if self.cfg.router_gate == "sigmoid" else r).to(like.dtype)
-
-    def forward(
-        self, x_BTD: Tensor, cos_T: Tensor, sin_T: Tensor, routing: str
-    ) -> tuple[Tensor, list[Route]]:
-        if not self.routed:
-            return x_BTD + self.update("block", x_BTD, cos_T, sin_T, None), []
+    def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
         routes = []
-        for kind in self.route_kinds:  # ("block",) joint, or ("attn", "mlp") staggered
-            x_BTD, route = self.route(kind, x_BTD, cos_T, sin_T, routing)
+        for kind in self.route_kinds:  # staggered: the MLP's router reads the attention's output
+            x_BTD, route = self.route(kind, x_BTD, p)
             routes.append(route)
         return x_BTD, routes
 
-    def route(
-        self, kind: str, x_BTD: Tensor, cos_T: Tensor, sin_T: Tensor, routing: str
-    ) -> tuple[Tensor, Route]:
-        B, T, D = x_BTD.shape
+    def route(self, kind: str, x_BTD: Tensor, p: Pass) -> tuple[Tensor, Route]:
+        T = x_BTD.shape[1]
         r_BT, pred_BT = self.router_logits(kind, x_BTD)
-        k = self.cfg.capacity_tokens(T)
-        idx_BK = topk_indices(r_BT, k)
-        topk_BT = positions_mask(idx_BK, T)
-        if routing == "topk":
-            mask_BT = topk_BT
-            if k > 0:
-                # Flat row indices into (B*T, D): index_select/index_copy move whole rows, which
-                # is several times cheaper than gather/scatter with a D-expanded index.
-                rows_N = (idx_BK + T * torch.arange(B, device=idx_BK.device)[:, None]).flatten()
-                x_ND = x_BTD.reshape(B * T, D)
-                x_BKD = x_ND.index_select(0, rows_N).view(B, k, D)
-                # Original positions: rotary tables indexed by the chosen tokens' positions.
-                cos_BK, sin_BK = cos_T[idx_BK].unsqueeze(1), sin_T[idx_BK].unsqueeze(1)
-                # idx sorted ascending, so a plain causal mask over K is causal in the sequence.
-                f_BKD = self.update(kind, x_BKD, cos_BK, sin_BK, None)
-                g_BK1 = self.gate(r_BT.gather(1, idx_BK), x_BKD).unsqueeze(-1)
-                y_ND = (x_BKD + g_BK1 * f_BKD).reshape(B * k, D)
-                x_BTD = x_ND.index_copy(0, rows_N, y_ND).view(B, T, D)
+        decide_BT = r_BT if pred_BT is None else pred_BT
+        if p.decode:  # one new token per row: top-k over it means nothing
+            take_BT = decide_BT > 0
+            x_BTD = self.run_rows(kind, x_BTD, r_BT, take_BT, p)
+            return x_BTD, Route(self.layer, kind, take_BT, r_BT, None, pred_BT)
+        if p.valid_BT is None:
+            idx_BK = topk_indices(r_BT, self.cfg.capacity_tokens(T))
+            target_BT = positions_mask(idx_BK, T)
+            if p.routing == "topk":  # training: gather exactly k tokens per row
+                x_BTD = self.run_topk(kind, x_BTD, r_BT, idx_BK, p)
+                return x_BTD, Route(self.layer, kind, target_BT, r_BT, target_BT, pred_BT)
+        else:  # right-padded prompts: top-k over each row's own tokens
+            k_B = self.cfg.capacity_tokens(p.lengths)
+            target_BT = topk_mask(r_BT, k_B, p.valid_BT)
+        take_BT = target_BT if p.routing == "topk" else decide_BT > 0
+        if p.valid_BT is not None:
+            take_BT = take_BT & p.valid_BT
+        x_BTD = self.run_masked(kind, x_BTD, r_BT, take_BT, p)
+        return x_BTD, Route(self.layer, kind, take_BT, r_BT, target_BT, pred_BT)
+
+    def gated(
+        self,
+        kind: str,
+        x: Tensor,
+        r: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        kv: KVHook | None,
+    ) -> Tensor:
+        """``x + g(r) * f(x)``: the new stream of the tokens that take sub-block `kind`."""
+        f = self.update(kind, x, cos, sin, mask, kv)
+        return x + gate(self.cfg, r, x).unsqueeze(-1) * f
+
+    def run_topk(self, kind: str, x_BTD: Tensor, r_BT: Tensor, idx_BK: Tensor, p: Pass) -> Tensor:
+        """Gather the k chosen tokens of each row, run them, scatter them back."""
+        B, T, D = x_BTD.shape
+        k = idx_BK.shape[1]
+        if k == 0:
+            return x_BTD
+        # Flat row indices into (B*T, D): index_select/index_copy move whole rows, several times
+        # cheaper than gather/scatter with a D-expanded index.
+        rows_N = (idx_BK + T * torch.arange(B, device=idx_BK.device)[:, None]).flatten()
+        x_ND = x_BTD.reshape(B * T, D)
+        x_BKD = x_ND.index_select(0, rows_N).view(B, k, D)
+        # Original positions; idx is sorted, so a plain causal mask over K is causal in T.
+        cos, sin = p.cos[idx_BK].unsqueeze(1), p.sin[idx_BK].unsqueeze(1)
+        kv = None if kind == "mlp" else p.kv(self.layer, None)
+        y_BKD = self.gated(kind, x_BKD, r_BT.gather(1, idx_BK), cos, sin, None, kv)
+        return x_ND.index_copy(0, rows_N, y_BKD.reshape(B * k, D)).view(B, T, D)
+
+    def run_masked(
+        self, kind: str, x_BTD: Tensor, r_BT: Tensor, take_BT: Tensor, p: Pass
+    ) -> Tensor:
+        """Every token computes; a taker attends only to earlier takers; skippers keep x."""
+        mask = None if kind == "mlp" else causal_attention_mask(take_BT)
+        kv = None if kind == "mlp" else p.kv(self.layer, take_BT)
+        y_BTD = self.gated(kind, x_BTD, r_BT, p.cos, p.sin, mask, kv)
+        return torch.where(take_BT.unsqueeze(-1), y_BTD, x_BTD)
+
+    def run_rows(self, kind: str, x_N1D: Tensor, r_N1: Tensor, take_N1: Tensor, p: Pass) -> Tensor:
+        """Decode step: run the block on the rows whose token takes it, and only they append to
+        this layer's cache."""
+        take = take_N1[:, 0].cpu()  # the one host sync of a routed layer's decode step
+        sel = take.nonzero().squeeze(1)
+        m, n = sel.numel(), take.numel()
+        if m == 0:
+            return x_N1D
+        cache, cos, sin = p.cache, p.cos, p.sin
+        if m == n:
+            x_M1D, r_M1, sel_d = x_N1D, r_N1, None
         else:
-            mask_BT = (r_BT if pred_BT is None else pred_BT) > 0
-            f_BTD = self.update(kind, x_BTD, cos_T, sin_T, causal_attention_mask(mask_BT))
-            x_BTD = torch.where(
-                mask_BT.unsqueeze(-1), x_BTD + self.gate(r_BT, x_BTD).unsqueeze(-1) * f_BTD, x_BTD
-            )
-        return x_BTD, Route(self.layer, kind, mask_BT, r_BT, topk_BT, pred_BT)
+            if m == 1:  # the common case at low capacity: slices, not gathers
+                i = int(sel[0])
+                x_M1D, r_M1 = x_N1D[i : i + 1], r_N1[i : i + 1]
+                cos, sin = cos[i : i + 1], sin[i : i + 1]
+            sel_d = sel.to(x_N1D.device)
+            if m > 1:
+                x_M1D, r_M1, cos, sin = x_N1D[sel_d], r_N1[sel_d], cos[sel_d], sin[sel_d]
+            cache = None if kind == "mlp" else cache.subset(sel)
+        kv = None if cache is None else cache.hook(self.layer, None)
+        y_M1D = self.gated(kind, x_M1D, r_M1, cos, sin, None, kv)
+        return y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
+
+    @staticmethod
+    def cost(
+        cfg: MoDConfig,
+        tokens: float,
+        attn: float | None = None,
+        mlp: float | None = None,
+        keys: float | None = None,
+    ) -> LayerCost:
+        # Top-k by default: each sub-block takes its own k = capacity_tokens(capacity, tokens).
+        k = cfg.capacity_tokens(int(tokens)) if attn is None or mlp is None else 0
+        attn, mlp = (k if attn is None else attn), (k if mlp is None else mlp)
+        routers = len(("block",) if cfg.routing == "joint" else ("attn", "mlp"))
+        return price(cfg, tokens, attn, mlp, attn if keys is None else keys, routers)
 
 
+# One class per letter of `layer_pattern` (config.LAYER_KINDS says what each letter means).
+BLOCKS: dict[str, type[Block]] = {"D": DenseBlock, "R": RoutedBlock}
+
+
+# -- the model ------------------------------------------------------------------------------------
 class MoDTransformer(nn.Module):
     """Decoder-only MoD transformer (dense when `layer_pattern` has no 'R')."""
 
@@ -337,7 +286,7 @@ class MoDTransformer(nn.Module):
         super().__init__()
         self.config = cfg = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(BLOCKS[kind](cfg, i) for i, kind in enumerate(cfg.layer_kinds))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -383,67 +332,99 @@ class MoDTransformer(nn.Module):
             torch._assert_async(((idx >= 0) & (idx < V)).all(), f"token ids must be in [0, {V})")
 
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, routing: str = "topk"
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        routing: str = "topk",
+        cache: Cache | None = None,
+        lengths: Tensor | None = None,
+        last_only: bool = False,
     ) -> MoDOutput:
         """Logits for `idx` (B, T); losses when `targets` (B, T, ignore index -100) is given.
 
         routing="topk": the paper's expert-choice top-k per sequence (training; exactly k per row).
         routing="causal": each token decides for itself; no decision reads a later token.
+
+        `cache` (a `KVCache`, or some rows of one): an empty cache is filled by this forward, a
+        prefill (`lengths`: (B,) real tokens of right-padded prompts); a filled one takes one
+        token per row, a decode step (causal routing only). `last_only`: logits of each row's
+        last real token only, (B, 1, vocab).
         """
         if routing not in ROUTING_CHOICES:
             raise ValueError(f"routing must be one of {ROUTING_CHOICES}, got {routing!r}")
         self.check_input(idx)
-        if targets is not None and targets.shape != idx.shape:
+        if targets is not None and (targets.shape != idx.shape or last_only):
             raise ValueError(
-                f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
+                f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)} "
+                "(and logits of every token: last_only=False)"
             )
-        T = idx.shape[1]
         x_BTD = self.embed(idx)
-        cos_T, sin_T = rope_tables(
-            self.config.head_dim,
-            T,
-            self.config.rope_theta,
-            idx.device,
-            torch.promote_types(x_BTD.dtype, torch.float32),
-        )
+        p = self._pass(idx, routing, cache, lengths, x_BTD.dtype)
         routes: list[Route] = []
         for block in self.blocks:
-            x_BTD, block_routes = block(x_BTD, cos_T, sin_T, routing)
+            x_BTD, block_routes = block(x_BTD, p)
             routes.extend(block_routes)
+        if last_only:
+            B, T = idx.shape
+            last_B = p.lengths - 1 if p.lengths is not None else torch.full((B,), T - 1)
+            x_BTD = x_BTD[torch.arange(B, device=idx.device), last_B.to(idx.device)][:, None]
         logits = self.lm_head(self.norm(x_BTD))
-        aux_loss = router_aux_loss(routes, logits)
-        out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
+        if cache is not None:
+            cache.advance(idx.shape[1] if lengths is None else torch.as_tensor(lengths).cpu())
+        out = MoDOutput(logits=logits, aux_loss=router_aux_loss(routes, logits), routes=routes)
         if targets is not None:
             out.lm_loss = F.cross_entropy(
-                logits.to(_loss_dtype(logits)).flatten(0, 1), targets.flatten(), ignore_index=-100
+                logits.to(at_least_float32(logits.dtype)).flatten(0, 1),
+                targets.flatten(),
+                ignore_index=-100,
             )
-            out.loss = out.lm_loss + self.config.aux_loss_weight * aux_loss
+            out.loss = out.lm_loss + self.config.aux_loss_weight * out.aux_loss
         return out
 
-
-def _loss_dtype(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)  # bf16 -> float32, float64 stays
-
-
-def router_aux_loss(routes: list[Route], like: Tensor) -> Tensor:
-    """Mean over routers of the BCE between causal-decision logits and per-row top-k membership."""
-    dtype = _loss_dtype(like)
-    if not routes:
-        return like.new_zeros((), dtype=dtype)
-    losses = [
-        F.binary_cross_entropy_with_logits(r.decision_logits.to(dtype), r.target.to(dtype))
-        for r in routes
-    ]
-    return torch.stack(losses).mean()
-
-
-@torch.no_grad()
-def routing_accuracy(routes: list[Route]) -> dict[str, float]:
-    """Share of tokens whose causal decision (logit > 0) agrees with top-k membership, per router.
-
-    Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered routing.
-    """
-    acc = {}
-    for r in routes:
-        acc[r.name] = ((r.decision_logits > 0) == r.target).float().mean().item()
-    return acc
+    def _pass(
+        self,
+        idx: Tensor,
+        routing: str,
+        cache: Cache | None,
+        lengths: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Pass:
+        """The rotary tables of the new tokens' positions, and the cache's mode: none, a prefill
+        or a decode step."""
+        cfg, (B, T) = self.config, idx.shape
+        if cache is None:
+            if lengths is not None:
+                raise ValueError("lengths (right-padded prompts) are for a prefill: pass a cache")
+            cos, sin = rope_tables(
+                cfg.head_dim, T, cfg.rope_theta, idx.device, at_least_float32(dtype)
+            )
+            return Pass(routing, cos, sin)
+        pos = cache.positions()
+        if len(pos) != B:
+            raise ValueError(f"idx has {B} rows but the cache has {len(pos)}")
+        start = int(pos.max())
+        if start + T > cache.max_len:
+            raise RuntimeError(
+                f"the KV cache holds max_len={cache.max_len} positions; row at {start} cannot take "
+                f"{T} more"
+            )
+        cos_S, sin_S = cache.rope()
+        if start > 0:  # the prompt is in: a decode step
+            if T != 1 or routing != "causal" or lengths is not None:
+                raise ValueError(
+                    "after its prefill a cache takes one token per row with routing='causal' "
+                    "(top-k reads the whole sequence and cannot decode); got "
+                    f"{T} tokens, {routing!r}"
+                )
+            pos_d = pos.to(cache.device)
+            return Pass(
+                routing, cos_S[pos_d][:, None, None], sin_S[pos_d][:, None, None], cache, True
+            )
+        if lengths is None:
+            return Pass(routing, cos_S[:T], sin_S[:T], cache)
+        lens = torch.as_tensor(lengths).cpu()
+        if lens.shape != (B,) or int(lens.min()) < 1 or int(lens.max()) > T:
+            raise ValueError(f"lengths must be (batch,) = ({B},) in [1, {T}], got {lens.tolist()}")
+        lens_d = lens.to(idx.device)
+        valid_BT = torch.arange(T, device=idx.device)[None, :] < lens_d[:, None]
+        return Pass(routing, cos_S[:T], sin_S[:T], cache, valid_BT=valid_BT, lengths=lens_d)

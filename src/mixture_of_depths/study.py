@@ -25,8 +25,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .checkpoint import atomic_write_text
 from .config import MoDConfig
+from .fileio import atomic_write_text
 from .flops import estimate_flops
 from .train import TrainConfig, train
 

@@ -24,18 +24,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import (
-    atomic_write_text,
-    load_model,
-    load_optimizer_state,
-    read_json,
-    resolve_checkpoint,
-    save_checkpoint,
-    write_json,
-)
+from .checkpoint import load_model, load_optimizer_state, resolve_checkpoint, save_checkpoint
 from .config import MoDConfig
 from .data import BatchSampler, Tokenizer, eval_batches, load_splits, load_tokenizer
-from .model import MoDTransformer, routing_accuracy
+from .fileio import atomic_write_text, read_json, write_json
+from .model import MoDTransformer
+from .precision import autocast_for
+from .routing import routing_accuracy
 
 CHECKPOINT_NAME = "checkpoint"
 
@@ -98,11 +93,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def autocast_for(device: torch.device) -> torch.autocast:
-    # bf16 on accelerators; the CPU trains in float32 (its bf16 matmuls are slower here).
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:

@@ -30,12 +30,12 @@ dense twin with random weights of the same shapes (its speed does not depend on 
 The MoD/dense ratios are printed beside what the work alone allows at the measured take-rates:
 "layers" counts each dense layer as 1 and a routed one as its take-rate (12.5% on DR gives 1.78x
 speed and 0.56x cache), "FLOPs" also counts the lm_head, the routers/predictors and the attention
-over the cached context (`decode_flops`), "bytes" counts the weights and cache read per step
-(`decode_bytes`: small-batch decoding is memory-bound, and at batch 8 a routed layer's weights are
-read whenever any row takes it). DESIGN.md section 4 asks for >= 1.6x the dense tokens/s and
-<= 0.6x its KV cache. On the CPU one thread is the default (``--threads``): decode ops are too
-small to share, and a second thread spin-waiting on a CPU other processes use slows decoding
-several times over.
+over the cached context, "bytes" counts the weights and cache read per step (small-batch decoding
+is memory-bound, and at batch 8 a routed layer's weights are read whenever any row takes it); both
+come from `flops.decode_cost`, the sum of each layer kind's own cost function. The bars are >= 1.6x
+the dense tokens/s and <= 0.6x its KV cache (docs/semantics.md, "Figures"). On the CPU one thread
+is the default (``--threads``): decode ops are too small to share, and a second thread
+spin-waiting on a CPU other processes use slows decoding several times over.
 
     python benchmarks/decode.py                  # preset small, prompt 512 + 64 new tokens
     python benchmarks/decode.py --preset tiny --prompt-len 16 --new-tokens 4 --repeats 1
@@ -58,8 +58,9 @@ from torch import Tensor
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.cache import KVCache
+from mixture_of_depths.flops import decode_cost, layer_shares
 from mixture_of_depths.generate import decode_step, prefill, router_names, sample_next
-from mixture_of_depths.model import rope_tables
+from mixture_of_depths.routing import calibrate_predictors
 
 from ._common import cpu_snapshot, fmt_bytes, others_busy
 
@@ -68,109 +69,7 @@ CACHE_BAR = 0.6  # MoD KV cache in use must be at most this fraction of the dens
 MIN_CONTEXT = 512  # the context (prompt + new tokens) the bars are meant for
 
 
-def decode_flops(
-    cfg: MoDConfig, take: Sequence[tuple[float, float]], cached: Sequence[float], context: float
-) -> float:
-    """FLOPs to decode one token, given per layer the shares of decoded tokens that run its
-    attention and its MLP (`take`, from `layer_takes`) and the share of the context it caches
-    (`cached`); all 1.0 for a dense layer.
-
-    Per layer: the routers' ``x @ w`` and the predictors' MLP on every token (routed layers);
-    for the tokens that run the attention, 2 FLOPs per multiply-add of its projections (q, k, v, o)
-    and ``QK^T`` and ``AV`` over the ``cached * context`` keys that layer holds; for those that run
-    the MLP, its SwiGLU weights (w1, w3, w2). Plus the lm_head. Norms, RoPE, softmax, sampling and
-    cache copies are not counted.
-    """
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
-    mlp = 3 * d * cfg.d_ff
-    routers = 1 if cfg.routing == "joint" else 2
-    predictor = d * cfg.predictor_hidden + cfg.predictor_hidden
-    flops = 2.0 * d * cfg.vocab_size  # lm_head
-    for kind, (a, m), c in zip(cfg.layer_kinds, take, cached, strict=True):
-        flops += a * (2 * attn + 2 * 2 * cfg.n_heads * hd * c * context) + m * 2 * mlp
-        if kind == "R":
-            flops += 2 * routers * (d + (predictor if cfg.causal_router == "predictor" else 0))
-    return flops
-
-
-def decode_bytes(
-    cfg: MoDConfig,
-    take: Sequence[tuple[float, float]],
-    busy: Sequence[tuple[float, float]],
-    cached: Sequence[float],
-    context: float,
-    batch_size: int,
-    element_size: int,
-) -> float:
-    """Bytes of weights and cache read by one decode step of `batch_size` rows: the memory-bound
-    counterpart of `decode_flops` (small-batch decoding reads more bytes than it does FLOPs).
-
-    A sub-block's weights are read once per step if any row runs it: `busy` holds, per layer, the
-    share of steps in which some row took its attention and its MLP (at batch 1 that is the
-    take-rate, at batch 8 and 12.5% about 1 - 0.875^8 = 66%). Each row that runs a layer's
-    attention reads the ``cached * context`` keys and values that layer holds. Routers and
-    predictors are read every step, and the lm_head. Norm weights and activations are not counted.
-    """
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
-    mlp = 3 * d * cfg.d_ff
-    kv_per_token = 2 * cfg.n_kv_heads * hd
-    routers = 1 if cfg.routing == "joint" else 2
-    predictor = d * cfg.predictor_hidden + 2 * cfg.predictor_hidden + 1
-    n = float(d * cfg.vocab_size)  # lm_head
-    for kind, (a, _), (ba, bm), c in zip(cfg.layer_kinds, take, busy, cached, strict=True):
-        n += ba * attn + bm * mlp + batch_size * a * c * context * kv_per_token
-        if kind == "R":
-            n += routers * (d + (predictor if cfg.causal_router == "predictor" else 0))
-    return n * element_size
-
-
-def layer_takes(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[float, float]]:
-    """Per layer (attention share, MLP share) of the tokens that run it, from per-router shares in
-    `router_names` order: (1, 1) for a dense layer, (r, r) for joint routing, (r_attn, r_mlp)
-    for staggered routing."""
-    takes, it = [], iter(per_router)
-    for kind in cfg.layer_kinds:
-        if kind == "D":
-            takes.append((1.0, 1.0))
-        elif cfg.routing == "joint":
-            r = next(it)
-            takes.append((r, r))
-        else:
-            takes.append((next(it), next(it)))
-    return takes
-
-
-@torch.no_grad()
-def calibrate_predictors(model: MoDTransformer, idx: Tensor) -> list[float]:
-    """Shift each predictor's output bias so that a share `capacity` of the tokens of `idx` has a
-    predictor logit > 0; layer by layer in order, each layer seeing the routing of the calibrated
-    layers before it. Returns the take-rates of a full causal forward afterwards, per router."""
-    cfg = model.config
-    q = 1.0 - cfg.capacity
-    x = model.embed(idx)
-    cos, sin = rope_tables(
-        cfg.head_dim,
-        idx.shape[1],
-        cfg.rope_theta,
-        idx.device,
-        torch.promote_types(x.dtype, torch.float32),
-    )
-    for block in model.blocks:
-        if not block.routed:
-            x, _ = block(x, cos, sin, "causal")
-            continue
-        for kind in block.route_kinds:  # staggered: the MLP router reads the attention's output
-            bias = block.predictor[kind].fc2.bias
-            logits = block.predictor[kind](x)
-            bias.sub_(torch.quantile(logits.float().flatten(), q).to(bias.dtype))
-            x, _ = block.route(kind, x, cos, sin, "causal")
-    routes = model(idx, routing="causal").routes
-    return [r.mask.float().mean().item() for r in routes]
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(
         description="Decode tokens/s and KV-cache bytes of an MoD model vs its dense twin.",
@@ -259,6 +158,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="random prompts of --prompt-len tokens to calibrate on (default: 8)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts (default: 0)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
@@ -337,16 +241,9 @@ def decode_run(
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     cache = KVCache(cfg, B, P + new_tokens, device, dtype)
-    cos_S, sin_S = rope_tables(
-        cfg.head_dim,
-        P + new_tokens,
-        cfg.rope_theta,
-        device,
-        torch.promote_types(dtype, torch.float32),
-    )
     lens = torch.full((B,), P, dtype=torch.long)
     logits, prompt_routing = prefill(model, prompt, lens, cache, "causal")
-    rows, positions = torch.arange(B), lens.clone()
+    rows = torch.arange(B)
     decisions = []
     sync()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -354,9 +251,8 @@ def decode_run(
         tokens = sample_next(logits, temperature=0.0).cpu()
         if feed is not None:
             tokens = feed[:, step]
-        logits, routing = decode_step(model, tokens, rows, positions, cache, cos_S, sin_S)
+        logits, routing = decode_step(model, tokens, rows, cache)
         decisions.append(routing)
-        positions = positions + 1
     sync()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     decode_routing = torch.stack(decisions).float()  # (N, B, n_routers)
@@ -378,27 +274,20 @@ def pct(xs: Sequence[float]) -> str:
     return " ".join(f"{100 * x:5.1f}%" for x in xs) if xs else "-"
 
 
-def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
-    """Run the benchmark, print its tables and (`json_line`) a last line of JSON."""
-    args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
+def measure(
+    args: argparse.Namespace, models: dict[str, MoDTransformer], device: torch.device
+) -> tuple[dict[tuple[str, int], list[dict]], list[float] | None, float, float | None]:
+    """Every model at every batch size, round-robin with a rotating order: the runs per (model,
+    batch), the calibration take-rates, the wall time and the share of the CPUs others used."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     P, N = args.prompt_len, args.new_tokens
-    context = P + N
-
-    models, configs = build_models(args, context, device, dtype)
-    mod_cfg = configs["mod"]
-    names_r = router_names(models["mod"])
-    vocab = mod_cfg.vocab_size
+    mod_cfg = models["mod"].config
     gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, vocab, (max(args.batch_sizes), P), generator=gen).to(device)
+    prompts = torch.randint(0, mod_cfg.vocab_size, (max(args.batch_sizes), P), generator=gen)
+    prompts = prompts.to(device)
     feed_ids = None
     if args.feed == "random":
-        feed_ids = torch.randint(0, vocab, (max(args.batch_sizes), N), generator=gen)
-
+        feed_ids = torch.randint(0, mod_cfg.vocab_size, (max(args.batch_sizes), N), generator=gen)
     calib_take = None
     if args.calibrate:
         if mod_cfg.causal_router != "predictor":
@@ -406,11 +295,10 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
                 "--calibrate needs causal_router='predictor' (the checkpoint has "
                 f"{mod_cfg.causal_router!r}); pass --no-calibrate"
             )
-        calib = torch.randint(0, vocab, (args.calib_rows, P), generator=gen).to(device)
-        calib_take = calibrate_predictors(models["mod"], calib)
-
+        calib = torch.randint(0, mod_cfg.vocab_size, (args.calib_rows, P), generator=gen)
+        calib_take = calibrate_predictors(models["mod"], calib.to(device), mod_cfg.capacity)
     names = list(models)
-    runs = {(name, b): [] for b in args.batch_sizes for name in names}
+    runs: dict[tuple[str, int], list[dict]] = {(n, b): [] for b in args.batch_sizes for n in names}
     snapshot = cpu_snapshot()
     t_start = time.perf_counter()
     for rnd in range(args.warmup + args.repeats):
@@ -421,9 +309,13 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
                 out = decode_run(models[name], prompts[:b], N, sync, feed)
                 if rnd >= args.warmup:
                     runs[name, b].append(out)
-    wall = time.perf_counter() - t_start
-    busy = others_busy(snapshot, cpu_snapshot())
+    return runs, calib_take, time.perf_counter() - t_start, others_busy(snapshot, cpu_snapshot())
 
+
+def summarise(args: argparse.Namespace, runs: dict, configs: dict[str, MoDConfig]) -> dict:
+    """Per (model, batch): median speed, cache bytes, take-rates and the FLOPs and bytes of a
+    decode step at the measured take-rates (`flops.decode_cost`)."""
+    P, N = args.prompt_len, args.new_tokens
     rows: dict[tuple[str, int], dict] = {}
     for (name, b), outs in runs.items():
         secs = [o["seconds"] for o in outs]
@@ -431,12 +323,16 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
         cpu_med = statistics.median(o["cpu_seconds"] for o in outs)
         last = outs[-1]  # greedy and same prompt: routing and bytes are the same every repeat
         cfg = configs[name]
-        take = layer_takes(cfg, last["take_decode"])
-        busy_steps = layer_takes(cfg, last["busy_decode"])
+        take = layer_shares(cfg, last["take_decode"])
         ctx = P + (N + 1) / 2  # mean context of a decode step, itself included
-        flops = decode_flops(cfg, take, last["cached_share"], ctx)
-        nbytes = decode_bytes(
-            cfg, take, busy_steps, last["cached_share"], ctx, b, last["element_size"]
+        flops, nbytes = decode_cost(
+            cfg,
+            take,
+            last["cached_share"],
+            ctx,
+            busy=layer_shares(cfg, last["busy_decode"]),
+            batch_size=b,
+            element_size=last["element_size"],
         )
         rows[name, b] = {
             "ms_per_step": 1e3 * med / N,
@@ -454,39 +350,50 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
             "work_layers": sum((a + m) / 2 for a, m in take),
             "take_decode_mean": statistics.mean(last["take_decode"] or [1.0]),
         }
+    return rows
 
-    n_layers = mod_cfg.n_layers
-    nominal = [(a + m) / 2 for a, m in layer_takes(mod_cfg, [mod_cfg.capacity] * len(names_r))]
-    ratios = {}
-    for b in args.batch_sizes:
+
+def ratios_of(rows: dict, mod_cfg: MoDConfig, batch_sizes: Sequence[int]) -> dict[int, dict]:
+    """MoD over dense per batch size, measured and predicted, and whether the bars hold."""
+    out = {}
+    for b in batch_sizes:
         m, d = rows["mod", b], rows["dense", b]
-        cached = m["cached_share"]  # per layer: the share of the context it holds
-        ratios[b] = {
+        r = {
             "speedup": m["tokens_per_s"] / d["tokens_per_s"],
             "speedup_cpu_time": d["cpu_ms_per_step"] / m["cpu_ms_per_step"],
-            "speedup_pred_layers": n_layers / m["work_layers"],
+            "speedup_pred_layers": mod_cfg.n_layers / m["work_layers"],
             "speedup_pred_flops": d["flops_per_token"] / m["flops_per_token"],
             "speedup_pred_bytes": d["bytes_read_per_step"] / m["bytes_read_per_step"],
             "cache_ratio": m["nbytes_used"] / d["nbytes_used"],
-            "cache_pred": sum(cached) / n_layers,
+            "cache_pred": sum(m["cached_share"]) / mod_cfg.n_layers,
             "alloc_ratio": m["nbytes_allocated"] / d["nbytes_allocated"],
         }
-        ratios[b]["pass"] = (
-            ratios[b]["speedup"] >= SPEEDUP_BAR and ratios[b]["cache_ratio"] <= CACHE_BAR
-        )
+        r["pass"] = r["speedup"] >= SPEEDUP_BAR and r["cache_ratio"] <= CACHE_BAR
+        out[b] = r
+    return out
 
+
+def print_report(
+    args: argparse.Namespace,
+    rows: dict,
+    ratios: dict[int, dict],
+    mod_cfg: MoDConfig,
+    calib_take: list[float] | None,
+    wall: float,
+    busy: float | None,
+) -> None:
+    P, N = args.prompt_len, args.new_tokens
+    names_r = args.router_names
     src = f"checkpoint={args.checkpoint}" if args.checkpoint else f"preset={args.preset}"
     print(
         f"decode: {src} pattern={mod_cfg.layer_pattern} capacity={mod_cfg.capacity:g} "
         f"causal_router={mod_cfg.causal_router} calibrated={args.calibrate} feed={args.feed} "
-        f"prompt={P} new={N} device={device.type} dtype={args.dtype} "
+        f"prompt={P} new={N} device={args.device} dtype={args.dtype} "
         f"threads={torch.get_num_threads()} repeats={args.repeats} warmup={args.warmup} "
         f"({wall:.0f} s)"
     )
-    if context < MIN_CONTEXT:
-        print(
-            f"note: context {context} < {MIN_CONTEXT} tokens; the bars are meant for long contexts"
-        )
+    if P + N < MIN_CONTEXT:
+        print(f"note: context {P + N} < {MIN_CONTEXT} tokens; the bars are meant for long contexts")
     print(
         f"take-rate per routed layer ({', '.join(names_r) or 'none'}): "
         f"nominal {pct([mod_cfg.capacity] * len(names_r))}"
@@ -499,7 +406,12 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
         if b > 1:
             line += f" | decode steps where some row took it {pct(m['busy_decode'])}"
         print(line)
+    _print_speed_table(args, rows, mod_cfg)
+    _print_ratio_table(args, ratios, mod_cfg, len(names_r))
+    _print_notes(args, rows, ratios, mod_cfg, busy)
 
+
+def _print_speed_table(args: argparse.Namespace, rows: dict, mod_cfg: MoDConfig) -> None:
     header = (
         f"{'model':<16} {'batch':>5} {'ms/step':>8} {'tokens/s':>9} {'vs dense':>8} "
         f"{'cache used':>11} {'vs dense':>8} {'allocated':>11} {'take':>6} {'range':>6}"
@@ -508,7 +420,7 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
     print("-" * len(header))
     labels = {"mod": f"MoD {mod_cfg.layer_pattern} c={mod_cfg.capacity:g}", "dense": "dense twin"}
     for b in args.batch_sizes:
-        for name in names:
+        for name in ("mod", "dense"):
             r, d = rows[name, b], rows["dense", b]
             take = statistics.mean(r["take_decode"]) if r["take_decode"] else 1.0
             print(
@@ -519,6 +431,13 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
                 f"{100 * r['range_rel']:>5.1f}%"
             )
     print()
+
+
+def _print_ratio_table(
+    args: argparse.Namespace, ratios: dict[int, dict], mod_cfg: MoDConfig, n_routers: int
+) -> None:
+    nominal = [(a + m) / 2 for a, m in layer_shares(mod_cfg, [mod_cfg.capacity] * n_routers)]
+    n_layers = mod_cfg.n_layers
     print(
         f"MoD/dense, measured vs predicted at the measured take-rates (nominal at capacity "
         f"{mod_cfg.capacity:g}: speed {n_layers / sum(nominal):.2f}x, cache "
@@ -540,10 +459,19 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
         )
     print(
         "(speed: measured tokens/s ratio; predicted by layers: a dense layer counts 1, a routed "
-        "one its take-rate; FLOPs: decode_flops; bytes: weights and cache read per step, "
-        "decode_bytes; /FLOPs: measured over FLOPs-predicted. cache: nbytes_used ratio; pred.: "
-        "from the layers' cached shares; alloc.: nbytes_allocated ratio)"
+        "one its take-rate; FLOPs and bytes: flops.decode_cost (weights and cache read per "
+        "step); /FLOPs: measured over FLOPs-predicted. cache: nbytes_used ratio; pred.: from the "
+        "layers' cached shares; alloc.: nbytes_allocated ratio)"
     )
+
+
+def _print_notes(
+    args: argparse.Namespace,
+    rows: dict,
+    ratios: dict[int, dict],
+    mod_cfg: MoDConfig,
+    busy: float | None,
+) -> None:
     for b in args.batch_sizes:
         mean_take = rows["mod", b]["take_decode_mean"]
         if not 0.5 * mod_cfg.capacity <= mean_take <= 2 * mod_cfg.capacity:
@@ -553,7 +481,7 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
                 "about a trained MoD model (untrained routers take about half; a trained one on "
                 "out-of-distribution prompts may take almost none)"
             )
-    if device.type == "cpu" and busy is not None and busy > 0.1:
+    if args.device == "cpu" and busy is not None and busy > 0.1:
         print(
             f"note: other processes kept {100 * busy:.0f}% of the CPUs busy during the run, so "
             "these numbers are noisy"
@@ -567,6 +495,21 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
                 f"the other processes took the CPU from it): {cpu_t}"
             )
 
+
+def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
+    """Run the benchmark, print its tables and (`json_line`) a last line of JSON."""
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    context = args.prompt_len + args.new_tokens
+    models, configs = build_models(args, context, device, getattr(torch, args.dtype))
+    mod_cfg = configs["mod"]
+    args.router_names = router_names(models["mod"])
+    runs, calib_take, wall, busy = measure(args, models, device)
+    rows = summarise(args, runs, configs)
+    ratios = ratios_of(rows, mod_cfg, args.batch_sizes)
+    print_report(args, rows, ratios, mod_cfg, calib_take, wall, busy)
     result = {
         "checkpoint": args.checkpoint,
         "preset": None if args.checkpoint else args.preset,
@@ -575,19 +518,19 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
         "causal_router": mod_cfg.causal_router,
         "calibrated": args.calibrate,
         "feed": args.feed,
-        "prompt_len": P,
-        "new_tokens": N,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
         "device": device.type,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "warmup": args.warmup,
-        "router_names": names_r,
+        "router_names": args.router_names,
         "calibration_take": calib_take,
         "results": [
             {"model": name, "batch_size": b, **rows[name, b]}
             for b in args.batch_sizes
-            for name in names
+            for name in models
         ],
         "ratios": [{"batch_size": b, **ratios[b]} for b in args.batch_sizes],
         "speedup_bar": SPEEDUP_BAR,

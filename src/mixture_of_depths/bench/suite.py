@@ -44,7 +44,9 @@ from tqdm.auto import tqdm
 
 from ..config import MoDConfig
 from ..flops import estimate_flops
-from ..model import Block, MoDTransformer, rope_tables
+from ..layers import rope_tables
+from ..model import BLOCKS, Block, MoDTransformer, Pass
+from ..precision import autocast_for
 from ._common import cpu_snapshot, fmt_bytes, others_busy
 from .memory import MALLOC_ENV
 
@@ -199,15 +201,11 @@ def model_configs(args: argparse.Namespace, seq_len: int) -> dict[str, MoDConfig
     return {"dense": next(iter(routed.values())).dense_twin(), **routed}
 
 
-def _autocast(device: torch.device, dtype: str) -> Any:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-
-
 def train_step_fn(
     model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, dtype: str
 ) -> Callable[[], None]:
     def step() -> None:
-        with _autocast(idx.device, dtype):
+        with autocast_for(idx.device, dtype):
             loss = model(idx, targets).loss
         loss.backward()
         for p in model.parameters():
@@ -235,7 +233,7 @@ def _one_block(cfg: MoDConfig, routed: bool) -> MoDConfig:
 
 def _block(cfg: MoDConfig, args: argparse.Namespace, device: torch.device) -> Block:
     torch.manual_seed(args.seed)
-    return Block(cfg, 0).to(device).train()
+    return BLOCKS[cfg.layer_kinds[0]](cfg, 0).to(device).train()
 
 
 def _block_input(
@@ -298,14 +296,15 @@ def _block_fns(
 ) -> tuple[Callable[[], None], Callable[[], None]]:
     """One block's forward (no grad) and forward + backward on `x`, in top-k routing."""
     xg = x.clone().requires_grad_(True)
+    topk = Pass("topk", cos, sin)
 
     def fwd() -> None:
-        with torch.no_grad(), _autocast(x.device, dtype):
-            block(x, cos, sin, "topk")
+        with torch.no_grad(), autocast_for(x.device, dtype):
+            block(x, topk)
 
     def fwd_bwd() -> None:
-        with _autocast(x.device, dtype):
-            y, _ = block(xg, cos, sin, "topk")
+        with autocast_for(x.device, dtype):
+            y, _ = block(xg, topk)
         y.backward(torch.ones_like(y))
         xg.grad = None
         for p in block.parameters():
@@ -557,72 +556,89 @@ def print_profile(p: dict[str, Any]) -> None:
 
 
 # -- report ---------------------------------------------------------------------------------------
-def print_train(rows: list) -> None:
-    print("\n## Training step (forward + backward), routed model vs its dense twin")
-    head = (
-        f"{'T':>5} {'batch':>5} {'model':<8} {'k':>5} {'ms/step':>9} {'tokens/s':>9} "
-        f"{'GFLOP/s':>8} {'speed-up':>9} {'FLOP pred.':>10} {'effic.':>7} {'range':>6}"
-    )
+def _x(v: float) -> str:
+    return f"{v:.3f}x"
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.1f}%"
+
+
+# Each table: its title, then (header, width, cell) per column; a cell is a row's key or a
+# function of the row. Widths are right-aligned; a negative width left-aligns.
+_TABLES: dict[str, tuple[str, list[tuple[str, int, Any]]]] = {
+    "train": (
+        "Training step (forward + backward), routed model vs its dense twin",
+        [
+            ("T", 5, "seq_len"),
+            ("batch", 5, "batch_size"),
+            ("model", -8, "model"),
+            ("k", 5, lambda r: "" if r["capacity_tokens"] is None else r["capacity_tokens"]),
+            ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"),
+            ("tokens/s", 9, lambda r: f"{r['tokens_per_s']:,.0f}"),
+            ("GFLOP/s", 8, lambda r: f"{r['gflop_per_s']:.1f}"),
+            ("speed-up", 9, lambda r: _x(r["speedup"])),
+            ("FLOP pred.", 10, lambda r: _x(r["speedup_flop_predicted"])),
+            ("effic.", 7, lambda r: _pct(r["efficiency"])),
+            ("range", 6, lambda r: _pct(r["range_rel"])),
+        ],
+    ),
+    "block": (
+        "One block: routed vs dense, same input",
+        [
+            ("T", 5, "seq_len"),
+            ("mode", -17, "mode"),
+            ("model", -8, "model"),
+            ("ms", 8, lambda r: f"{r['ms']:.2f}"),
+            ("speed-up", 9, lambda r: _x(r["speedup"])),
+            ("FLOP pred.", 10, lambda r: _x(r["speedup_flop_predicted"])),
+            ("effic.", 7, lambda r: _pct(r["efficiency"])),
+            ("range", 6, lambda r: _pct(r["range_rel"])),
+        ],
+    ),
+    "memory": (
+        "Training-step memory: peak above the parameters, and activations saved",
+        [
+            ("T", 5, "seq_len"),
+            ("batch", 5, "batch_size"),
+            ("model", -8, "model"),
+            ("peak", 10, lambda r: fmt_bytes(r["peak_bytes"], 1)),
+            ("vs dense", 9, lambda r: "-" if r["peak_ratio"] is None else _x(r["peak_ratio"])),
+            ("saved", 10, lambda r: fmt_bytes(r["saved_bytes"], 1)),
+            ("vs dense", 9, lambda r: _x(r["saved_ratio"])),
+        ],
+    ),
+    "compile": (
+        "Eager vs torch.compile(fullgraph=True), training step",
+        [
+            ("T", 5, "seq_len"),
+            ("model", -6, "model"),
+            ("mode", -9, "mode"),
+            ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"),
+            ("tokens/s", 9, lambda r: f"{r['tokens_per_s']:,.0f}"),
+            ("vs eager", 9, lambda r: _x(r["compiled_speedup"])),
+            ("MoD/dense", 9, lambda r: _x(r["mod_speedup"])),
+            ("FLOP pred.", 10, lambda r: _x(r["speedup_flop_predicted"])),
+            ("compile s", 9, lambda r: "" if r["compile_s"] is None else f"{r['compile_s']:.0f}"),
+        ],
+    ),
+}
+
+
+def print_table(section: str, rows: list) -> None:
+    """One of `_TABLES`, a line per row."""
+    title, columns = _TABLES[section]
+
+    def cell(text: Any, width: int) -> str:
+        return f"{text!s:<{-width}}" if width < 0 else f"{text!s:>{width}}"
+
+    print(f"\n## {title}")
+    head = " ".join(cell(name, width) for name, width, _ in columns)
     print(head)
     print("-" * len(head))
     for r in rows:
-        k = "" if r["capacity_tokens"] is None else r["capacity_tokens"]
-        print(
-            f"{r['seq_len']:>5} {r['batch_size']:>5} {r['model']:<8} {k:>5} "
-            f"{r['ms_per_step']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['gflop_per_s']:>8.1f} "
-            f"{r['speedup']:>8.3f}x {r['speedup_flop_predicted']:>9.3f}x "
-            f"{100 * r['efficiency']:>6.1f}% {100 * r['range_rel']:>5.1f}%"
-        )
-
-
-def print_block(rows: list) -> None:
-    print("\n## One block: routed vs dense, same input")
-    head = (
-        f"{'T':>5} {'mode':<17} {'model':<8} {'ms':>8} {'speed-up':>9} {'FLOP pred.':>10} "
-        f"{'effic.':>7} {'range':>6}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r['seq_len']:>5} {r['mode']:<17} {r['model']:<8} {r['ms']:>8.2f} "
-            f"{r['speedup']:>8.3f}x {r['speedup_flop_predicted']:>9.3f}x "
-            f"{100 * r['efficiency']:>6.1f}% {100 * r['range_rel']:>5.1f}%"
-        )
-
-
-def print_memory(rows: list) -> None:
-    print("\n## Training-step memory: peak above the parameters, and activations saved")
-    head = (
-        f"{'T':>5} {'batch':>5} {'model':<8} {'peak':>10} {'vs dense':>9} {'saved':>10} "
-        f"{'vs dense':>9}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        pr = "-" if r["peak_ratio"] is None else f"{r['peak_ratio']:.3f}x"
-        print(
-            f"{r['seq_len']:>5} {r['batch_size']:>5} {r['model']:<8} "
-            f"{fmt_bytes(r['peak_bytes'], 1):>10} {pr:>9} {fmt_bytes(r['saved_bytes'], 1):>10} "
-            f"{r['saved_ratio']:>8.3f}x"
-        )
-
-
-def print_compile(rows: list) -> None:
-    print("\n## Eager vs torch.compile(fullgraph=True), training step")
-    head = (
-        f"{'T':>5} {'model':<6} {'mode':<9} {'ms/step':>9} {'tokens/s':>9} {'vs eager':>9} "
-        f"{'MoD/dense':>9} {'FLOP pred.':>10} {'compile s':>9}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        cs = "" if r["compile_s"] is None else f"{r['compile_s']:.0f}"
-        print(
-            f"{r['seq_len']:>5} {r['model']:<6} {r['mode']:<9} {r['ms_per_step']:>9.1f} "
-            f"{r['tokens_per_s']:>9,.0f} {r['compiled_speedup']:>8.3f}x "
-            f"{r['mod_speedup']:>8.3f}x {r['speedup_flop_predicted']:>9.3f}x {cs:>9}"
-        )
+        values = (get(r) if callable(get) else r[get] for _, _, get in columns)
+        print(" ".join(cell(v, w) for v, (_, w, _) in zip(values, columns, strict=True)))
 
 
 def bars(result: dict) -> dict:
@@ -702,14 +718,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     busy = others_busy(snapshot, cpu_snapshot())
     result["wall_s"] = time.perf_counter() - t0
     result["cpu_busy_others"] = busy
-    for section, show in (
-        ("train", print_train),
-        ("block", print_block),
-        ("memory", print_memory),
-        ("compile", print_compile),
-    ):
+    for section in _TABLES:
         if section in result:
-            show(result[section])
+            print_table(section, result[section])
     if "profile" in result:
         print_profile(result["profile"])
     result["bars"] = bars(result)

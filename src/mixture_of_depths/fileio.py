@@ -1,0 +1,74 @@
+"""Atomic file writes (temp file, fsync, rename) and JSON helpers: a standalone utility.
+
+Everything the project writes goes through here, so a crash leaves either the old file or the new
+one, never a mixture, and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+def umask_mode(default: int = 0o666) -> int:
+    """The mode a plain open() would give: mkstemp/mkdtemp create 0600/0700 files."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return default & ~mask
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """`write(tmp)` into a temp file beside `path`, fsync it, then rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:  # on disk before the rename makes it visible
+            os.fsync(f.fileno())
+        os.chmod(tmp, umask_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def atomic_save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None
+) -> None:
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(cpu, tmp, metadata))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,180 @@
+"""Routing: the router projection, top-k selection, causal decisions, masks, gates and aux losses.
+
+The semantics are stated in docs/semantics.md. In short: a router scores each token with
+``r = x @ w`` (in at least float32); top-k routing sends the ``k = capacity_tokens(capacity, T)``
+highest-scoring tokens of each row through the block, in position order, ties to the earlier
+position; causal routing sends a token iff its decision logit (the router's, or the predictor's) is
+above 0, so no decision reads a later token. A chosen token's update is scaled by ``g(r)``.
+
+Names with shape suffixes: B batch, T tokens of the forward, K routed subset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import MoDConfig
+from .precision import at_least_float32
+
+ROUTING_CHOICES = ("topk", "causal")
+
+
+def route_name(layer: int, kind: str) -> str:
+    """``"<layer>"`` for joint routing, ``"<layer>.<kind>"`` for a staggered sub-block."""
+    return str(layer) if kind == "block" else f"{layer}.{kind}"
+
+
+@dataclass
+class Route:
+    """What one router did on one forward pass (returned, never stored on the module).
+
+    `mask` (B, T) bool: the tokens this router sent through its sub-block. `logits` (B, T): raw
+    router weights r. `target` (B, T) bool: top-k membership over each row's tokens, the aux-loss
+    target (equal to `mask` in top-k mode); None on a cached decode step, where a row brings one
+    token and top-k over it means nothing. `predictor_logits` (B, T): the causal predictor's
+    logits, predictor mode only.
+    """
+
+    layer: int
+    kind: str  # "block" (joint routing), "attn" or "mlp" (staggered routing)
+    mask: Tensor
+    logits: Tensor
+    target: Tensor | None
+    predictor_logits: Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return route_name(self.layer, self.kind)
+
+    @property
+    def decision_logits(self) -> Tensor:
+        """Logits of the causal decision: the predictor's in predictor mode, else the router's."""
+        return self.logits if self.predictor_logits is None else self.predictor_logits
+
+
+def linear32(x: Tensor, lin: nn.Linear) -> Tensor:
+    """`lin(x)` in at least float32, also under bf16 autocast or in a bf16 model.
+
+    Routing decisions compare logits with each other (top-k) and with 0 (causal): in bf16 they
+    would tie often and flip between training (autocast) and generation (no autocast).
+    """
+    if x.dtype == lin.weight.dtype == torch.float32 and not torch.is_autocast_enabled(
+        x.device.type
+    ):
+        return F.linear(x, lin.weight, lin.bias)  # already float32: skip the context (decode)
+    dt = at_least_float32(x.dtype)
+    bias = None if lin.bias is None else lin.bias.to(dt)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.to(dt), lin.weight.to(dt), bias)
+
+
+# -- selection ------------------------------------------------------------------------------------
+def topk_indices(r_BT: Tensor, k: int) -> Tensor:
+    """Indices (B, k) of the k largest router weights per row, sorted ascending by position.
+
+    A stable descending sort breaks ties by position (earlier wins), so exactly k tokens are chosen
+    and the choice is deterministic; sorting the chosen indices keeps the subsequence causal.
+    """
+    order = torch.sort(r_BT, dim=-1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=-1).values
+
+
+def positions_mask(idx_BK: Tensor, seq_len: int) -> Tensor:
+    """(B, seq_len) bool, True at the positions `idx_BK`."""
+    return torch.zeros(idx_BK.shape[0], seq_len, dtype=torch.bool, device=idx_BK.device).scatter(
+        1, idx_BK, True
+    )
+
+
+def topk_mask(r_BT: Tensor, k_B: Tensor, valid_BT: Tensor) -> Tensor:
+    """(B, T) bool: top-k membership per row with a per-row k over the row's valid tokens only
+    (right-padded prompts of different lengths), by the same rule as `topk_indices`."""
+    B, T = r_BT.shape
+    order = torch.sort(
+        r_BT.masked_fill(~valid_BT, float("-inf")), dim=1, descending=True, stable=True
+    ).indices
+    ranks = torch.arange(T, device=r_BT.device).expand(B, T)
+    rank_BT = torch.empty_like(order).scatter_(1, order, ranks)
+    return rank_BT < k_B[:, None]
+
+
+def causal_attention_mask(take_BT: Tensor) -> Tensor:
+    """(B, 1, T, T) mask: query i sees key j iff j <= i and j took the block.
+
+    The diagonal is always open so rows of tokens that skip (whose outputs are discarded) are never
+    fully masked: a fully masked softmax row would give NaN and poison the backward pass.
+    """
+    T = take_BT.shape[1]
+    eye = torch.eye(T, dtype=torch.bool, device=take_BT.device)
+    lower = torch.ones(T, T, dtype=torch.bool, device=take_BT.device).tril()
+    return ((lower & take_BT[:, None, :]) | eye).unsqueeze(1)
+
+
+def gate(cfg: MoDConfig, r: Tensor, like: Tensor) -> Tensor:
+    """g(r), the scale of a chosen token's update, in the dtype of the stream `like`."""
+    if cfg.router_scores == "random":  # ablation: the noise scores carry no scale
+        return torch.ones_like(r, dtype=like.dtype)
+    return (torch.sigmoid(r) if cfg.router_gate == "sigmoid" else r).to(like.dtype)
+
+
+# -- losses and metrics ---------------------------------------------------------------------------
+def router_aux_loss(routes: list[Route], like: Tensor) -> Tensor:
+    """Mean over routers of the BCE between causal-decision logits and per-row top-k membership
+    (routes without a target, those of decode steps, do not count)."""
+    dtype = at_least_float32(like.dtype)
+    losses = [
+        F.binary_cross_entropy_with_logits(r.decision_logits.to(dtype), r.target.to(dtype))
+        for r in routes
+        if r.target is not None
+    ]
+    return torch.stack(losses).mean() if losses else like.new_zeros((), dtype=dtype)
+
+
+@torch.no_grad()
+def routing_accuracy(routes: list[Route]) -> dict[str, float]:
+    """Share of tokens whose causal decision (logit > 0) agrees with top-k membership, per router.
+
+    Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered routing.
+    """
+    acc = {}
+    for r in routes:
+        if r.target is None:
+            raise ValueError(f"route {r.name} has no top-k target (a cached decode step)")
+        acc[r.name] = ((r.decision_logits > 0) == r.target).float().mean().item()
+    return acc
+
+
+@torch.no_grad()
+def calibrate_predictors(model: nn.Module, idx: Tensor, take: float) -> list[float]:
+    """Shift each predictor's output bias so that a share `take` of the tokens of `idx` takes its
+    sub-block in causal routing; returns each router's take-rate afterwards.
+
+    For untrained predictor-mode models (benchmarks, tests), whose predictors say "take" or "skip"
+    for nearly every token. Routers are calibrated in forward order, since each reads the output of
+    the ones before, and the threshold goes midway between two neighbouring *distinct* logits, so
+    no token sits on it (equal logits are common: a token that skipped every block before reads
+    its bare embedding, so repeats of it score alike).
+    """
+    if model.config.causal_router != "predictor":
+        raise ValueError(
+            "calibrating needs causal_router='predictor', got "
+            f"{model.config.causal_router!r}"
+        )
+    if not 0 < take < 1:
+        raise ValueError(f"take must be in (0, 1), got {take}")
+    n_routes = len(model(idx, routing="causal").routes)
+    for i in range(n_routes):
+        route = model(idx, routing="causal").routes[i]
+        z = route.predictor_logits.flatten().sort().values
+        cut = min(max(int(len(z) * (1 - take)), 1), len(z) - 1)
+        gaps = (z[1:] > z[:-1]).nonzero().squeeze(1) + 1  # i with z[i - 1] < z[i]
+        if not len(gaps):
+            raise ValueError(f"router {route.name}: every predictor logit is equal")
+        cut = int(gaps[(gaps - cut).abs().argmin()])
+        fc2 = model.blocks[route.layer].predictor[route.kind].fc2
+        fc2.bias -= ((z[cut - 1] + z[cut]) / 2).to(fc2.bias.dtype)
+    return [r.mask.float().mean().item() for r in model(idx, routing="causal").routes]
