@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from fractions import Fraction
 
 import pytest
 import torch
@@ -149,20 +148,21 @@ def test_defaults_are_derived():
 # -- capacity rounding --------------------------------------------------------------------------
 
 
-def _exact_k(capacity: float, seq_len: int) -> int:
-    """floor(capacity * T) in exact arithmetic on the decimal the user wrote."""
-    return min(seq_len, math.floor(Fraction(repr(capacity)) * seq_len))
-
-
-def test_capacity_tokens_matches_exact_floor():
-    capacities = sorted({i / 200 for i in range(1, 201)} | {0.29, 0.57, 0.58, 0.07, 0.14, 0.123})
+def test_capacity_tokens_matches_brute_force_on_the_written_decimal():
+    """An oracle that shares nothing with the code: capacities written as num/den in integers (the
+    decimal a user types, e.g. 29/100 = "0.29"), and k the largest j in [0, T] with j/T <= num/den,
+    found by trying every j."""
+    fractions_ = {(i, 200) for i in range(1, 201)}
+    fractions_ |= {(29, 100), (57, 100), (58, 100), (7, 100), (14, 100), (123, 1000)}
     hazards = 0
-    for c in capacities:
+    for num, den in sorted(fractions_):
+        capacity = num / den
         for seq_len in range(0, 260):
-            k = capacity_tokens(c, seq_len)
-            assert k == _exact_k(c, seq_len), (c, seq_len, k)
-            hazards += math.floor(c * seq_len) != _exact_k(c, seq_len)
-    assert hazards > 0  # the sweep contains products that fall just below an integer in float
+            expected = max(j for j in range(seq_len + 1) if j * den <= num * seq_len)
+            k = capacity_tokens(capacity, seq_len)
+            assert k == expected, (num, den, seq_len, k)
+            hazards += math.floor(capacity * seq_len) != expected
+    assert hazards > 0  # the sweep holds products that fall just below an integer in float
 
 
 def test_capacity_tokens_edges():

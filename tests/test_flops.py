@@ -8,7 +8,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from mixture_of_depths import MoDConfig, MoDTransformer
-from mixture_of_depths.flops import estimate_flops, format_report
+from mixture_of_depths.cache import KVCache
+from mixture_of_depths.flops import decode_cost, estimate_flops, format_report, layer_shares
+from mixture_of_depths.generate import decode_step, prefill
 
 BASE = dict(
     vocab_size=97,
@@ -102,3 +104,54 @@ def test_mod_flops_cli(capsys):
     assert rep["dense"]["forward"] > rep["forward"]
     assert main(["flops", "--preset", "tiny", "--capacity", "0.5"]) == 0
     assert "capacity 0.5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "over, takes",
+    [
+        (dict(layer_pattern="DR", causal_router="predictor"), [True, False]),
+        (dict(layer_pattern="RRD", routing="staggered", causal_router="predictor"), [1, 0, 0, 1, 1, 1]),
+    ],
+    ids=["joint", "staggered"],
+)
+def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
+    """`decode_cost` (the sum of the kinds' cost functions, which the decode benchmark uses) counts
+    what FlopCounterMode counts on a real decode step: each router's decision is forced (take or
+    skip) and the context each layer attends over is read back from the cache."""
+    cfg = MoDConfig(**{**BASE, **over})
+    torch.manual_seed(0)
+    model = MoDTransformer(cfg).eval()
+    it = iter(takes)
+    with torch.no_grad():
+        for block in model.blocks:
+            for kind in getattr(block, "route_kinds", ()):
+                block.predictor[kind].fc2.weight.zero_()
+                block.predictor[kind].fc2.bias.fill_(5.0 if next(it) else -5.0)
+    P = 20
+    idx = torch.randint(0, cfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(cfg, 1, P + 1)
+    logits, _ = prefill(model, idx, torch.tensor([P]), cache)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        _, routing = decode_step(model, logits.argmax(-1), torch.arange(1), cache)
+    assert routing[0].tolist() == [bool(t) for t in takes]  # the forcing held
+    shares = layer_shares(cfg, [float(t) for t in takes])
+    cached = (cache.lengths[:, 0].double() / (P + 1)).tolist()  # keys each layer attended over
+    flops, _ = decode_cost(cfg, shares, cached, P + 1)
+    assert flops == pytest.approx(fc.get_total_flops(), rel=1e-9)
+
+
+def test_decode_cost_matches_the_decode_expectation_of_estimate_flops():
+    """At the capacity as take-rate and cached share, the benchmark's per-token decode FLOPs are
+    estimate_flops' decode_per_token; the bytes of a dense twin read every weight once."""
+    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "routing": "staggered"})
+    rep = estimate_flops(cfg, 64)
+    c = cfg.capacity
+    shares = layer_shares(cfg, [c] * 2 * len(cfg.routed_layers))
+    cached = [a for a, _ in shares]
+    flops, _ = decode_cost(cfg, shares, cached, 64)
+    assert flops == pytest.approx(rep.decode_per_token)
+    dense = cfg.dense_twin()
+    named = MoDTransformer(dense).named_parameters()
+    n_params = sum(p.numel() for n, p in named if "norm" not in n)
+    _, nbytes = decode_cost(dense, layer_shares(dense, []), [1.0] * 4, 0, element_size=4)
+    assert nbytes == 4 * n_params  # tied embedding: the lm_head's weights are the embedding's

@@ -656,3 +656,56 @@ def test_topk_prefill_takes_capacity_tokens_per_row(routing):
     prefill(model, idx, lens_t, cache, mode="topk")
     for layer in cfg.routed_layers:
         assert cache.lengths[layer].tolist() == [capacity_tokens(cfg.capacity, n) for n in lens]
+
+
+# -- the cache protocol through the model's forward ---------------------------------------------
+
+
+def test_forward_with_a_cache_refuses_what_cannot_be_cached():
+    model = make_model(routing="staggered", causal_router="predictor")
+    idx = random_tokens(2, 6, seed=1)
+    with pytest.raises(ValueError, match="lengths"):
+        model(idx, lengths=torch.tensor([6, 4]))  # padding needs a cache
+    cache = KVCache(model.config, 2, 16)
+    with pytest.raises(ValueError, match="rows"):
+        model(random_tokens(3, 6, seed=1), cache=cache, routing="causal")
+    with pytest.raises(ValueError, match="lengths"):
+        model(idx, cache=cache, routing="causal", lengths=torch.tensor([7, 4]))
+    with pytest.raises(ValueError, match="targets"):
+        model(idx, targets=idx, cache=cache, last_only=True)
+    model(idx, cache=cache, routing="causal", lengths=torch.tensor([6, 4]))  # the prefill
+    assert cache.positions().tolist() == [6, 4]
+    one = random_tokens(2, 1, seed=2)
+    with pytest.raises(ValueError, match="top-k"):
+        model(one, cache=cache, routing="topk")  # top-k cannot decode
+    with pytest.raises(ValueError, match="one token"):
+        model(random_tokens(2, 2, seed=2), cache=cache, routing="causal")
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cache.subset(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cache.subset(torch.tensor([2]))
+    model(one[1:], cache=cache.subset(torch.tensor([1])), routing="causal")  # row 1 alone
+    assert cache.positions().tolist() == [6, 5]
+
+
+def test_decode_step_of_some_rows_equals_full_recomputation():
+    """Rows fed unevenly (row 1 every step, row 0 every other step) through cache views: each
+    row's logits equal the full causal forward of its own sequence (float64)."""
+    model = make_model(routing="joint", causal_router="predictor", dtype=F64)
+    prompts = make_prompts((7, 4))
+    idx, lens = pad(prompts)
+    cache = KVCache(model.config, 2, 40, dtype=F64)
+    logits, _ = prefill(model, idx, lens, cache)
+    seqs = [list(p) for p in prompts]
+    for step in range(8):
+        rows = torch.tensor([0, 1]) if step % 2 else torch.tensor([1])
+        tokens = logits[rows].argmax(-1)
+        for b, t in zip(rows.tolist(), tokens.tolist(), strict=True):
+            seqs[b].append(t)
+        new_logits, _ = decode_step(model, tokens, rows, cache)
+        for i, b in enumerate(rows.tolist()):
+            with torch.no_grad():
+                full = model(torch.tensor([seqs[b]]), routing="causal").logits[0, -1]
+            torch.testing.assert_close(new_logits[i], full, **TOL64)
+            logits[b] = new_logits[i]
+    assert cache.positions().tolist() == [len(s) for s in seqs]

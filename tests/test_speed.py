@@ -49,7 +49,14 @@ def test_compiled_fullgraph_equals_eager():
     out.loss.backward()
     torch.testing.assert_close(out.logits, eager.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, eager.loss, rtol=1e-5, atol=1e-6)
+    # Routing is a hard decision on float32 router weights that compiled kernels round
+    # differently (relative error ~1e-7): compare it only where the top-k boundary has a margin
+    # far above that.
+    k = cfg.capacity_tokens(idx.shape[1])
     for a, b in zip(out.routes, eager.routes, strict=True):
+        ranked = b.logits.sort(dim=1, descending=True).values
+        margin = (ranked[:, k - 1] - ranked[:, k]).min() / b.logits.abs().max()
+        assert float(margin) > 1e-3  # precondition: 10^4 times the rounding
         assert torch.equal(a.mask, b.mask)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -126,11 +125,20 @@ def test_checkpoint_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_lr_schedule_warmup_then_cosine():
-    t = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
-    lrs = [lr_at(s, t) for s in range(100)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))  # monotone decay
-    assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)))
+    """Linear warm-up to lr, then a cosine down to lr * min_lr_ratio, reached at the last step."""
+    t = TrainConfig(steps=101, warmup_steps=10, lr=2.0, min_lr_ratio=0.1)
+    lrs = [lr_at(s, t) for s in range(t.steps)]
+    assert lrs[:10] == pytest.approx([0.2 * (s + 1) for s in range(10)])  # linear warm-up
+    assert lrs[10] == pytest.approx(2.0) and lrs[-1] == pytest.approx(0.2)
+    decay = lrs[10:]  # 91 steps, progress 0, 1/90, ..., 1
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    # A cosine from max to min is point-symmetric about its middle: lr(p) + lr(1 - p) = max + min.
+    for i in range(len(decay)):
+        assert decay[i] + decay[-1 - i] == pytest.approx(2.0 + 0.2)
+    assert decay[45] == pytest.approx((2.0 + 0.2) / 2)
+    assert lr_at(0, TrainConfig(steps=5, warmup_steps=0, lr=1.0)) == pytest.approx(1.0)
+    one = TrainConfig(steps=11, warmup_steps=10, lr=1.0, min_lr_ratio=0.25)
+    assert lr_at(10, one) == pytest.approx(0.25)  # a single decayed step is also the last
 
 
 def test_gradient_clipping_happens_before_the_step(corpus: Path, tmp_path: Path, monkeypatch):

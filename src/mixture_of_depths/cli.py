@@ -23,15 +23,28 @@ def _field_type(annotation: Any) -> Any:
     return annotation
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str]) -> None:
-    """One flag per field, default None so that only flags the user gave override anything."""
+def _add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls: type, skip: set[str], preset: bool = False
+) -> None:
+    """One flag per field, default None so that only flags the user gave override anything.
+
+    With `preset`, the flags override a model preset: their help shows what the default preset
+    gives (a preset sets d_model, layers, heads...; d_ff and n_kv_heads follow from them), not the
+    dataclass's own defaults, which no preset uses.
+    """
     hints = typing.get_type_hints(cls)
+    base = MoDConfig.preset(DEFAULT_PRESET) if preset else None
+    from_preset = {k for p in PRESETS.values() for k in p} | {"d_ff", "n_kv_heads"}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         typ = _field_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
+        if base is not None:
+            default = getattr(base, f.name)
+            if f.name in from_preset:
+                default = f"from --preset; {DEFAULT_PRESET}: {default}"
         if typ is bool:
             parser.add_argument(
                 flag,
@@ -85,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     model_group = p.add_argument_group("model (MoDConfig fields)")
-    _add_dataclass_flags(model_group, MoDConfig, skip={"vocab_size"})
+    _add_dataclass_flags(model_group, MoDConfig, skip={"vocab_size"}, preset=True)
     train_group = p.add_argument_group("training")
     _add_dataclass_flags(train_group, TrainConfig, skip=set())
 
@@ -157,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     _add_dataclass_flags(
-        p.add_argument_group("model (MoDConfig fields)"), MoDConfig, skip={"max_seq_len"}
+        p.add_argument_group("model (MoDConfig fields)"),
+        MoDConfig,
+        skip={"max_seq_len"},
+        preset=True,
     )
 
     p = sub.add_parser(
@@ -248,11 +264,9 @@ def _paint(text: str, count: int, total: int) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from .checkpoint import load_model, resolve_checkpoint
     from .data import load_tokenizer
-    from .generate import Generation, router_names, stream
+    from .generate import router_names
     from .train import resolve_device
 
     device = resolve_device(args.device)
@@ -276,43 +290,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     show = args.show_routing
-    n_routers = len(router_names(model))
-    if show and n_routers == 0:
+    if show and not router_names(model):
         print("note: a dense model has no routed blocks: nothing to colour", file=sys.stderr)
         show = False
+    (_stream_routing if show else _stream_text)(args, model, tokenizer, prompt, n_new)
+    return 0
+
+
+def _stream_text(
+    args: argparse.Namespace, model: Any, tokenizer: Any, prompt: list, n: int
+) -> None:
+    """Print the prompt, then each sampled token as soon as it is sampled."""
+    from .generate import stream
+
+    steps = stream(
+        model,
+        [prompt],
+        n,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_id=tokenizer.eot_id,
+        seed=args.seed,
+        prefill=args.prefill,
+    )
     out = sys.stdout
-    if not show:
-        steps = stream(
-            model,
-            [prompt],
-            n_new,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            eos_id=tokenizer.eot_id,
-            seed=args.seed,
-            prefill=args.prefill,
-        )
-        out.write(args.prompt)
-        ids: list[int] = []
-        shown = ""
-        for st in steps:
-            if st.tokens[0] == tokenizer.eot_id:
-                break
-            ids.append(st.tokens[0])
-            text = tokenizer.decode(ids)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                out.write(text[len(shown) :])
-                out.flush()
-                shown = text
-        out.write(tokenizer.decode(ids)[len(shown) :] + "\n")
-        return 0
-    # With routing shown, a token is printed once its own routing is known, i.e. once it has been
-    # fed through the model at the next step: the coloured stream runs one token behind.
+    out.write(args.prompt)
+    ids: list[int] = []
+    shown = ""
+    for st in steps:
+        if st.tokens[0] == tokenizer.eot_id:
+            break
+        ids.append(st.tokens[0])
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            out.write(text[len(shown) :])
+            out.flush()
+            shown = text
+    out.write(tokenizer.decode(ids)[len(shown) :] + "\n")
+
+
+def _stream_routing(
+    args: argparse.Namespace, model: Any, tokenizer: Any, prompt: list, n: int
+) -> None:
+    """Print each token coloured by how many routed blocks it took, then a legend and the share
+    of tokens per routed layer. A token is printed once its own routing is known, i.e. once it
+    has been fed through the model at the next step: the coloured stream runs one token behind."""
+    import torch
+
+    from .generate import Generation, router_names
+
+    names = router_names(model)
     gen = Generation(
         model,
         [prompt],
-        n_new,
+        n,
         args.temperature,
         args.top_k,
         args.top_p,
@@ -321,13 +353,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.prefill,
         feed_last=True,
     )
+    out = sys.stdout
     pending: list[int] = []
 
     def emit(tok: int, routing: torch.Tensor) -> None:
         pending.append(tok)
         piece = tokenizer.decode(pending)
         if not piece.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            out.write(_paint(piece, int(routing.sum()), n_routers))
+            out.write(_paint(piece, int(routing.sum()), len(names)))
             out.flush()
             pending.clear()
 
@@ -350,16 +383,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     flush_fed()  # the final token, fed after the last step
     routing_all = torch.cat([gen.prompt_routing[0], *[r[None] for r in fed]])
     out.write("\n\n")
-    legend = " ".join(_paint(f"{c}", c, n_routers) for c in range(n_routers + 1))
+    legend = " ".join(_paint(f"{c}", c, len(names)) for c in range(len(names) + 1))
     took = routing_all.float().mean(0).tolist()
-    names = router_names(model)
-    out.write(f"routed blocks taken per token (of {n_routers}): {legend}\n")
+    out.write(f"routed blocks taken per token (of {len(names)}): {legend}\n")
     out.write(
         "share of tokens per routed layer: "
-        + ", ".join(f"L{n} {t:.0%}" for n, t in zip(names, took, strict=True))
-        + f" (capacity {cfg.capacity:.1%})\n"
+        + ", ".join(f"L{name} {t:.0%}" for name, t in zip(names, took, strict=True))
+        + f" (capacity {model.config.capacity:.1%})\n"
     )
-    return 0
 
 
 def cmd_flops(args: argparse.Namespace) -> int:

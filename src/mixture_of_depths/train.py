@@ -28,7 +28,7 @@ from .checkpoint import load_model, load_optimizer_state, resolve_checkpoint, sa
 from .config import MoDConfig
 from .data import BatchSampler, Tokenizer, eval_batches, load_splits, load_tokenizer
 from .fileio import atomic_write_text, read_json, write_json
-from .model import MoDTransformer
+from .model import MoDOutput, MoDTransformer
 from .precision import autocast_for
 from .routing import routing_accuracy
 
@@ -79,11 +79,12 @@ class TrainConfig:
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    """Linear warm-up to `lr` over `warmup_steps` steps, then cosine decay that reaches
+    `lr * min_lr_ratio` exactly at the last step (`steps - 1`)."""
     if step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
-    span = max(1, tc.steps - tc.warmup_steps)
-    progress = min(1.0, (step - tc.warmup_steps) / span)
+    span = tc.steps - 1 - tc.warmup_steps  # steps from the first decayed one to the last
+    progress = 1.0 if span <= 0 else min(1.0, (step - tc.warmup_steps) / span)
     return tc.lr * (
         tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     )
@@ -231,36 +232,64 @@ def _prepare_data(
     return load_splits(tc.data, tokenizer)
 
 
-def train(
-    model_config: MoDConfig | None,
-    tc: TrainConfig,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Train (or resume) and return a summary. With `resume`, `model_config` may be None.
+@dataclass
+class _Run:
+    """What a training run holds while it trains (built by `_start`)."""
 
-    A new run refuses an `out` that already holds a checkpoint unless `overwrite`. On the CPU a
-    resumed run reproduces an uninterrupted one bit for bit; on CUDA, nondeterministic kernels
-    (flash-attention backward, index_add) make even two uninterrupted runs differ slightly.
-    """
+    tc: TrainConfig
+    out_dir: Path
+    device: torch.device
+    model: MoDTransformer
+    model_config: MoDConfig
+    opt: torch.optim.AdamW
+    sampler: BatchSampler
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    tokenizer: Tokenizer
+    fingerprint: str
+    log: MetricsLog
+    start_step: int
+    elapsed: float  # training seconds so far (evaluation and checkpoints excluded)
+    step_fn: Any = None
+    lm_params: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
+    predictor_params: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
+    window_t: float = 0.0  # start of the current tokens/s window
+    window_tokens: int = 0
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / CHECKPOINT_NAME
+
+    @property
+    def seq_len(self) -> int:
+        return self.tc.seq_len or self.model_config.max_seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tc.batch_size * self.seq_len
+
+
+def _load_resume(tc: TrainConfig) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to resume from and its trainer state, checked against `tc`."""
+    ckpt = resolve_checkpoint(Path(tc.out) / CHECKPOINT_NAME)
+    trainer_state = read_json(ckpt / "trainer.json")
+    for key in ("step", "sampler", "train_config"):
+        if key not in trainer_state:
+            raise ValueError(f"{ckpt / 'trainer.json'} has no {key!r}: cannot resume exactly")
+    _check_resume_config(trainer_state["train_config"], tc)
+    return ckpt, trainer_state
+
+
+def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwrite: bool) -> _Run:
+    """Set up a new run, or restore one exactly from its checkpoint (`resume`)."""
     out_dir = Path(tc.out)
-    ckpt_dir = out_dir / CHECKPOINT_NAME
     device = resolve_device(tc.device)
-    start_step, tokenizer, trainer_state, ckpt = 0, None, None, None
+    ckpt, trainer_state, tokenizer = None, None, None
     if resume:
-        ckpt = resolve_checkpoint(ckpt_dir)
-        trainer_state = read_json(ckpt / "trainer.json")
-        for key in ("step", "sampler", "train_config"):
-            if key not in trainer_state:
-                raise ValueError(f"{ckpt / 'trainer.json'} has no {key!r}: cannot resume exactly")
-        _check_resume_config(trainer_state["train_config"], tc)
+        ckpt, trainer_state = _load_resume(tc)
         model, model_config = load_model(ckpt, map_location=device)
         tokenizer = load_tokenizer(ckpt)
-        start_step = int(trainer_state["step"])
     elif not overwrite and (
-        (ckpt_dir / "config.json").exists() or (out_dir / "metrics.jsonl").exists()
+        (out_dir / CHECKPOINT_NAME / "config.json").exists() or (out_dir / "metrics.jsonl").exists()
     ):
         raise ValueError(
             f"{out_dir} already holds a run: resume it (--resume), start over (--overwrite), "
@@ -307,21 +336,151 @@ def train(
             f"the validation split is too short for seq_len {seq_len} ({exc}); use a smaller "
             "--seq-len or more data"
         ) from exc
-    step_fn = torch.compile(model) if tc.compile else model
+    start_step = int(trainer_state["step"]) if trainer_state else 0
     log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
     if not resume:
         write_json(
             out_dir / "run.json", {"model": model_config.to_dict(), "train": dataclasses.asdict(tc)}
         )
+    run = _Run(
+        tc=tc,
+        out_dir=out_dir,
+        device=device,
+        model=model,
+        model_config=model_config,
+        opt=opt,
+        sampler=sampler,
+        val=val,
+        tokenizer=tokenizer,
+        fingerprint=fingerprint,
+        log=log,
+        start_step=start_step,
+        elapsed=float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0,
+        step_fn=torch.compile(model) if tc.compile else model,
+    )
     # The predictor is clipped on its own: its gradient must not rescale the LM's update.
-    lm_params = [p for n, p in model.named_parameters() if ".predictor." not in n]
-    predictor_params = [p for n, p in model.named_parameters() if ".predictor." in n]
-    tokens_per_step = tc.batch_size * seq_len
-    elapsed = float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0
+    for name, param in model.named_parameters():
+        (run.predictor_params if ".predictor." in name else run.lm_params).append(param)
+    return run
+
+
+def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
+    """One optimizer step: the batch of `step`, forward, backward, clipping, AdamW. Returns the
+    output, the (pre-clip) gradient norm of the LM parameters and the learning rate."""
+    tc = run.tc
+    lr = lr_at(step, tc)
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    x, y = run.sampler.next_batch()
+    x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    with autocast_for(run.device):
+        out = run.step_fn(x, y)
+    out.loss.backward()
+    # Clip before the step: clipping after it would be a no-op on this update.
+    max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.lm_params, max_norm)
+    if run.predictor_params:
+        torch.nn.utils.clip_grad_norm_(run.predictor_params, max_norm)
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.window_tokens += run.tokens_per_step
+    return out, grad_norm, lr
+
+
+def _log_step(
+    run: _Run, done: int, out: MoDOutput, grad_norm: torch.Tensor, lr: float, bar: tqdm
+) -> None:
+    """A JSON line of the step's losses, learning rate, gradient norm and tokens/s."""
+    now = time.perf_counter()
+    tok_s = run.window_tokens / max(now - run.window_t, 1e-9)
+    run.elapsed += now - run.window_t
+    run.window_t, run.window_tokens = now, 0
+    rec = {
+        "step": done,
+        "loss": out.loss.item(),
+        "lm_loss": out.lm_loss.item(),
+        "aux_loss": out.aux_loss.item(),
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        "tokens_per_s": tok_s,
+        "tokens": done * run.tokens_per_step,
+    }
+    run.log.write(rec)
+    bar.set_postfix(  # no forced redraw: the bar's own mininterval decides
+        loss=f"{rec['lm_loss']:.3f}",
+        aux=f"{rec['aux_loss']:.3f}",
+        tok_s=f"{tok_s:,.0f}",
+        refresh=False,
+    )
+
+
+def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
+    """Validation in both routing modes, logged, then an atomic checkpoint; the time this takes
+    is kept out of the tokens/s window."""
+    t0 = time.perf_counter()
+    ev = evaluate(run.model, run.val, run.device)
+    run.log.write({"step": done, **ev})
+    bar.write(format_eval(done, ev))
+    save_checkpoint(
+        run.ckpt_dir,
+        run.model,
+        run.model_config,
+        optimizer=run.opt,
+        tokenizer=run.tokenizer,
+        trainer_state={
+            "step": done,
+            "sampler": run.sampler.state_dict(),
+            "data_fingerprint": run.fingerprint,
+            "elapsed_s": run.elapsed,
+            "train_config": dataclasses.asdict(run.tc),
+        },
+    )
+    run.window_t += time.perf_counter() - t0
+    return ev
+
+
+def _finish(run: _Run, last_eval: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary (also written to summary.json) and its loss plot."""
+    tc = run.tc
+    summary = {
+        "out": str(run.out_dir),
+        "checkpoint": str(run.ckpt_dir),
+        "steps": tc.steps,
+        "tokens": tc.steps * run.tokens_per_step,
+        "train_time_s": run.elapsed,
+        "params": run.model.num_params(),
+        "layer_kinds": run.model_config.layer_kinds,
+        "capacity": run.model_config.capacity,
+        **last_eval,
+    }
+    write_json(run.out_dir / "summary.json", summary)
+    try:
+        plot_metrics(run.out_dir / "metrics.jsonl", run.out_dir / "loss.png")
+        summary["plot"] = str(run.out_dir / "loss.png")
+    except Exception as exc:  # a plot is a convenience: never lose a finished run over it
+        summary["plot_error"] = repr(exc)
+    return summary
+
+
+def train(
+    model_config: MoDConfig | None,
+    tc: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train (or resume) and return a summary. With `resume`, `model_config` may be None.
+
+    A new run refuses an `out` that already holds a checkpoint unless `overwrite`. On the CPU a
+    resumed run reproduces an uninterrupted one bit for bit; on CUDA, nondeterministic kernels
+    (flash-attention backward, index_add) make even two uninterrupted runs differ slightly.
+    """
+    run = _start(model_config, tc, resume, overwrite)
     last_eval: dict[str, Any] = {}
     bar = tqdm(
         total=tc.steps,
-        initial=start_step,
+        initial=run.start_step,
         disable=not progress,
         desc="train",
         unit="step",
@@ -329,89 +488,19 @@ def train(
         # In a log file (CI, nohup) a redraw every 0.1 s is noise: one line every 30 s instead.
         mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
-    window_t, window_tokens = time.perf_counter(), 0
-    for step in range(start_step, tc.steps):
-        lr = lr_at(step, tc)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y = sampler.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast_for(device):
-            out = step_fn(x, y)
-        out.loss.backward()
-        # Clip before the step: clipping after it would be a no-op on this update.
-        max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(lm_params, max_norm)
-        if predictor_params:
-            torch.nn.utils.clip_grad_norm_(predictor_params, max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        window_tokens += tokens_per_step
+    run.window_t = time.perf_counter()
+    for step in range(run.start_step, tc.steps):
+        out, grad_norm, lr = _train_step(run, step)
         done = step + 1
         if done % tc.log_every == 0 or done == tc.steps:
-            now = time.perf_counter()
-            tok_s = window_tokens / max(now - window_t, 1e-9)
-            elapsed += now - window_t
-            window_t, window_tokens = now, 0
-            rec = {
-                "step": done,
-                "loss": out.loss.item(),
-                "lm_loss": out.lm_loss.item(),
-                "aux_loss": out.aux_loss.item(),
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_s": tok_s,
-                "tokens": done * tokens_per_step,
-            }
-            log.write(rec)
-            bar.set_postfix(  # no forced redraw: the bar's own mininterval decides
-                loss=f"{rec['lm_loss']:.3f}",
-                aux=f"{rec['aux_loss']:.3f}",
-                tok_s=f"{tok_s:,.0f}",
-                refresh=False,
-            )
+            _log_step(run, done, out, grad_norm, lr, bar)
         bar.update(1)
         if done % tc.eval_every == 0 or done == tc.steps:
-            t0 = time.perf_counter()
-            last_eval = evaluate(model, val, device)
-            log.write({"step": done, **last_eval})
-            bar.write(format_eval(done, last_eval))
-            save_checkpoint(
-                ckpt_dir,
-                model,
-                model_config,
-                optimizer=opt,
-                tokenizer=tokenizer,
-                trainer_state={
-                    "step": done,
-                    "sampler": sampler.state_dict(),
-                    "data_fingerprint": fingerprint,
-                    "elapsed_s": elapsed,
-                    "train_config": dataclasses.asdict(tc),
-                },
-            )
-            window_t += time.perf_counter() - t0  # keep eval and save time out of tokens/s
+            last_eval = _evaluate_and_save(run, done, bar)
     bar.close()
     if not last_eval:  # resumed at the final step: nothing left to train
-        last_eval = evaluate(model, val, device)
-    summary = {
-        "out": str(out_dir),
-        "checkpoint": str(ckpt_dir),
-        "steps": tc.steps,
-        "tokens": tc.steps * tokens_per_step,
-        "train_time_s": elapsed,
-        "params": model.num_params(),
-        "layer_kinds": model_config.layer_kinds,
-        "capacity": model_config.capacity,
-        **last_eval,
-    }
-    write_json(out_dir / "summary.json", summary)
-    try:
-        plot_metrics(out_dir / "metrics.jsonl", out_dir / "loss.png")
-        summary["plot"] = str(out_dir / "loss.png")
-    except Exception as exc:  # a plot is a convenience: never lose a finished run over it
-        summary["plot_error"] = repr(exc)
-    return summary
+        last_eval = evaluate(run.model, run.val, run.device)
+    return _finish(run, last_eval)
 
 
 def format_eval(step: int, ev: dict[str, Any]) -> str:

@@ -1,0 +1,79 @@
+"""routing.py against oracles: per-row top-k against the loop rule, predictor calibration against
+the share it promises, and the layer-kind table against the config's letters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_model as _make_model
+from helpers import random_tokens, tiny_config
+from reference import topk_set
+
+from mixture_of_depths import BLOCKS, MoDTransformer
+from mixture_of_depths.config import LAYER_KINDS
+from mixture_of_depths.routing import calibrate_predictors, topk_indices, topk_mask
+
+
+def test_topk_mask_per_row_k_over_valid_tokens_matches_the_loop_rule():
+    """Right-padded rows of different lengths, many ties: each row's mask is the loop rule's top-k
+    of its own valid tokens (ties to the earlier position), never a padding token."""
+    g = torch.Generator().manual_seed(3)
+    r = torch.randint(0, 5, (6, 19), generator=g).double()  # many ties
+    lens = torch.tensor([19, 1, 7, 12, 19, 4])
+    valid = torch.arange(19)[None, :] < lens[:, None]
+    for k_of in (lambda n: n // 3, lambda n: n, lambda n: 0):
+        k = torch.tensor([k_of(int(n)) for n in lens])
+        got = topk_mask(r, k, valid)
+        for b, n in enumerate(lens.tolist()):
+            want = torch.zeros(19, dtype=torch.bool)
+            want[topk_set(r[b, :n].tolist(), int(k[b]))] = True
+            assert torch.equal(got[b], want), (b, got[b], want)
+
+
+def test_topk_mask_agrees_with_topk_indices_when_rows_are_full():
+    g = torch.Generator().manual_seed(4)
+    r = torch.randint(0, 3, (4, 16), generator=g).float()
+    for k in (0, 1, 5, 16):
+        idx = topk_indices(r, k)
+        full = torch.zeros(4, 16, dtype=torch.bool).scatter(1, idx, True)
+        got = topk_mask(r, torch.full((4,), k), torch.ones(4, 16, dtype=torch.bool))
+        assert torch.equal(got, full)
+
+
+@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("take", [0.125, 0.5])
+def test_calibrated_predictors_take_the_asked_share_with_a_margin(routing, take):
+    """After calibration each router's take-rate on the calibration batch is the asked share (up
+    to the ties it had to step around), and no token's logit sits on the threshold."""
+    cfg = tiny_config(routing=routing, causal_router="predictor")
+    model = _make_model(cfg, seed=2, dtype=torch.float32, take=0.5)  # calibrated once already
+    idx = random_tokens(4, 40, seed=5)
+    rates = calibrate_predictors(model, idx, take)
+    routes = model(idx, routing="causal").routes
+    assert rates == [r.mask.float().mean().item() for r in routes]
+    for r in routes:
+        assert abs(r.mask.float().mean().item() - take) < 0.1, (r.name, rates)
+        assert float(r.predictor_logits.detach().abs().min()) > 1e-6
+
+
+def test_calibration_refuses_what_it_cannot_do():
+    aux = MoDTransformer(tiny_config(causal_router="aux_loss"))
+    with pytest.raises(ValueError, match="predictor"):
+        calibrate_predictors(aux, random_tokens(1, 8, 0), 0.5)
+    pred = MoDTransformer(tiny_config(causal_router="predictor"))
+    with pytest.raises(ValueError, match="take"):
+        calibrate_predictors(pred, random_tokens(1, 8, 0), 1.0)
+
+
+def test_every_layer_letter_has_a_block_class_and_a_cost():
+    """The table is the one place a kind is added: the config's letters and the block classes
+    agree, and each class prices its work (top-k forward of 10 tokens at capacity 0.3: the dense
+    kind runs all 10, the routed kind 3 and scores all 10)."""
+    assert set(BLOCKS) == set(LAYER_KINDS)
+    cfg = tiny_config()
+    dense, routed = BLOCKS["D"].cost(cfg, 10), BLOCKS["R"].cost(cfg, 10)
+    assert (dense.attn_tokens, routed.attn_tokens) == (10, 3)
+    assert dense.router == 0 and routed.router == 10 * 2 * cfg.d_model
+    assert routed.matmul == pytest.approx(dense.matmul * 3 / 10)
+    model = MoDTransformer(cfg)
+    assert [type(b) for b in model.blocks] == [BLOCKS[k] for k in cfg.layer_kinds]
