@@ -5,7 +5,7 @@ It reads the parameters of a `MoDTransformer` but none of its forward code: RMSN
 position) and the causal decisions are all written out here with explicit loops over batch rows,
 routers, tokens, heads and query positions. Everything is computed in float64.
 
-Semantics (DESIGN.md section 1): for a routed sub-block and one batch row, a set S of token
+Semantics (docs/semantics.md): for a routed sub-block and one batch row, a set S of token
 positions is chosen (top-k of the raw router weight r = x @ w, or, causally, the tokens whose
 decision logit is > 0); the sub-block runs on the tokens of S alone, each attending to the tokens of
 S at or before its own position, rotated at its original position; token i in S becomes

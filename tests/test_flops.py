@@ -110,7 +110,10 @@ def test_mod_flops_cli(capsys):
     "over, takes",
     [
         (dict(layer_pattern="DR", causal_router="predictor"), [True, False]),
-        (dict(layer_pattern="RRD", routing="staggered", causal_router="predictor"), [1, 0, 0, 1, 1, 1]),
+        (
+            dict(layer_pattern="RRD", routing="staggered", causal_router="predictor"),
+            [1, 0, 0, 1, 1, 1],  # take attention only, the MLP only, both
+        ),
     ],
     ids=["joint", "staggered"],
 )

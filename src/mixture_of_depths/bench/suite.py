@@ -642,7 +642,7 @@ def print_table(section: str, rows: list) -> None:
 
 
 def bars(result: dict) -> dict:
-    """The DESIGN/issue bars, each with the measured value and whether it holds."""
+    """The bars (docs/semantics.md, "Figures"), each with its measured value and verdict."""
     out: dict[str, Any] = {}
     train = result.get("train") or []
     cap1 = [r for r in train if r["capacity"] == 1.0]
