@@ -324,7 +324,7 @@ class MoDTransformer(nn.Module):
         if torch.compiler.is_compiling():  # a value check would break the graph
             return
         if idx.device.type == "cpu":
-            lo, hi = int(idx.min()), int(idx.max())
+            lo, hi = (int(v) for v in torch.aminmax(idx))
             if lo < 0 or hi >= V:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"token id {bad} out of range: ids must be in [0, vocab_size={V})")
@@ -364,21 +364,26 @@ class MoDTransformer(nn.Module):
         for block in self.blocks:
             x_BTD, block_routes = block(x_BTD, p)
             routes.extend(block_routes)
-        if last_only:
-            B, T = idx.shape
-            last_B = p.lengths - 1 if p.lengths is not None else torch.full((B,), T - 1)
-            x_BTD = x_BTD[torch.arange(B, device=idx.device), last_B.to(idx.device)][:, None]
+        B, T = idx.shape
+        if last_only and p.lengths is not None:  # right-padded rows end at different positions
+            x_BTD = x_BTD[torch.arange(B, device=idx.device), p.lengths - 1][:, None]
+        elif last_only and T > 1:
+            x_BTD = x_BTD[:, -1:]
         logits = self.lm_head(self.norm(x_BTD))
         if cache is not None:
-            cache.advance(idx.shape[1] if lengths is None else torch.as_tensor(lengths).cpu())
-        out = MoDOutput(logits=logits, aux_loss=router_aux_loss(routes, logits), routes=routes)
+            cache.advance(T if lengths is None else torch.as_tensor(lengths).cpu())
+        # A decode step has no top-k targets: no aux loss (and no op spent on a zero).
+        aux_loss = None if p.decode else router_aux_loss(routes, logits)
+        out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
         if targets is not None:
             out.lm_loss = F.cross_entropy(
                 logits.to(at_least_float32(logits.dtype)).flatten(0, 1),
                 targets.flatten(),
                 ignore_index=-100,
             )
-            out.loss = out.lm_loss + self.config.aux_loss_weight * out.aux_loss
+            out.loss = out.lm_loss
+            if out.aux_loss is not None:
+                out.loss = out.loss + self.config.aux_loss_weight * out.aux_loss
         return out
 
     def _pass(
