@@ -669,6 +669,12 @@ def test_forward_with_a_cache_refuses_what_cannot_be_cached():
     cache = KVCache(model.config, 2, 16)
     with pytest.raises(ValueError, match="rows"):
         model(random_tokens(3, 6, seed=1), cache=cache, routing="causal")
+    with pytest.raises(ValueError, match="float64"):
+        model(idx, cache=KVCache(model.config, 2, 16, dtype=F64), routing="causal")
+    with pytest.raises(ValueError, match="prefill the whole batch"):
+        cache.subset(torch.tensor([0]))  # a view is for decode steps
+    with pytest.raises(ValueError, match="integers"):
+        model(idx, cache=cache, routing="causal", lengths=torch.tensor([6.0, 4.0]))
     with pytest.raises(ValueError, match="lengths"):
         model(idx, cache=cache, routing="causal", lengths=torch.tensor([7, 4]))
     with pytest.raises(ValueError, match="targets"):
@@ -684,6 +690,12 @@ def test_forward_with_a_cache_refuses_what_cannot_be_cached():
         cache.subset(torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="strictly increasing"):
         cache.subset(torch.tensor([2]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cache.subset(torch.tensor([1])).subset(torch.tensor([-1]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        decode_step(model, torch.tensor([3, 3]), torch.tensor([1, 1]), cache)
+    with pytest.raises(ValueError, match="lengths"):
+        model(one, cache=cache, routing="causal", lengths=torch.tensor([1, 1]))
     model(one[1:], cache=cache.subset(torch.tensor([1])), routing="causal")  # row 1 alone
     assert cache.positions().tolist() == [6, 5]
 

@@ -63,6 +63,9 @@ def test_calibration_refuses_what_it_cannot_do():
     pred = MoDTransformer(tiny_config(causal_router="predictor"))
     with pytest.raises(ValueError, match="take"):
         calibrate_predictors(pred, random_tokens(1, 8, 0), 1.0)
+    # One token repeated: every logit of the first router is equal, no gap to cut in.
+    with pytest.raises(ValueError, match="no gap"):
+        calibrate_predictors(pred, torch.full((2, 12), 7), 0.5)
 
 
 def test_every_layer_letter_has_a_block_class_and_a_cost():

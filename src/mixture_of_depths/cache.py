@@ -48,6 +48,7 @@ class Cache(Protocol):
 
     max_len: int
     device: torch.device
+    dtype: torch.dtype
 
     def positions(self) -> Tensor:
         """(batch,) host: the tokens each row has processed, i.e. the position of its next one."""
@@ -257,16 +258,12 @@ class CacheRows:
     generating, or those whose token takes a routed layer on a decode step."""
 
     def __init__(self, cache: KVCache, rows: Tensor) -> None:
-        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
-        if rows.dim() != 1 or not len(rows):
-            raise ValueError(f"rows must be a non-empty 1-d tensor of indices, got {rows!r}")
-        if (rows[1:] <= rows[:-1]).any() or rows[0] < 0 or rows[-1] >= cache.batch_size:
+        if not cache._prefilled:
             raise ValueError(
-                f"rows must be strictly increasing indices in [0, {cache.batch_size}), got "
-                f"{rows.tolist()}"
+                "rows of a KV cache are for decode steps: prefill the whole batch first"
             )
-        self.cache, self.rows = cache, rows
-        self.max_len, self.device = cache.max_len, cache.device
+        self.cache, self.rows = cache, _check_rows(rows, cache.batch_size)
+        self.max_len, self.device, self.dtype = cache.max_len, cache.device, cache.dtype
 
     def positions(self) -> Tensor:
         return self.cache._positions[self.rows]
@@ -283,7 +280,20 @@ class CacheRows:
         return self.cache.hook(layer, take_BT, self.rows)
 
     def subset(self, rows: Tensor) -> CacheRows:
-        return CacheRows(self.cache, self.rows[torch.as_tensor(rows, dtype=torch.long).cpu()])
+        return CacheRows(self.cache, self.rows[_check_rows(rows, len(self.rows))])
 
     def advance(self, counts: Tensor | int) -> None:
         self.cache.advance(counts, self.rows)
+
+
+def _check_rows(rows: Tensor, n: int) -> Tensor:
+    """`rows` as a host long tensor of strictly increasing indices in [0, n), or a ValueError."""
+    rows = torch.as_tensor(rows).cpu()
+    if rows.dtype.is_floating_point or rows.dtype == torch.bool or rows.dim() != 1 or not len(rows):
+        raise ValueError(f"rows must be a non-empty 1-d tensor of integer indices, got {rows!r}")
+    rows = rows.long()
+    if (rows[1:] <= rows[:-1]).any() or rows[0] < 0 or rows[-1] >= n:
+        raise ValueError(
+            f"rows must be strictly increasing indices in [0, {n}), got {rows.tolist()}"
+        )
+    return rows

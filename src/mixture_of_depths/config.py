@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .fileio import atomic_write_text
 
@@ -54,10 +54,15 @@ def capacity_tokens(capacity: float | tuple[int, int], seq_len: Any) -> Any:
     return num * seq_len // den  # <= seq_len since num <= den
 
 
+class LayerKind(NamedTuple):
+    description: str
+    routed: bool  # a router picks its tokens (the block has routes, take-rates, a smaller cache)
+
+
 # The letters of `layer_pattern`. Each maps to one block class in model.BLOCKS (and its cost).
 LAYER_KINDS = {
-    "D": "dense block: every token takes it",
-    "R": "routed block: a router picks the tokens that take it",
+    "D": LayerKind("dense block: every token takes it", routed=False),
+    "R": LayerKind("routed block: a router picks the tokens that take it", routed=True),
 }
 
 
@@ -121,7 +126,7 @@ class MoDConfig:
             )
         bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
         if bad:
-            allowed = "; ".join(f"{k!r} ({v})" for k, v in LAYER_KINDS.items())
+            allowed = "; ".join(f"{k!r} ({v.description})" for k, v in LAYER_KINDS.items())
             raise ValueError(
                 f"layer_pattern={self.layer_pattern!r} has unknown letters {bad}; allowed: "
                 + allowed
@@ -157,7 +162,8 @@ class MoDConfig:
 
     @property
     def routed_layers(self) -> list[int]:
-        return [i for i, kind in enumerate(self.layer_kinds) if kind == "R"]
+        """The layers whose kind lets a router pick the tokens (LAYER_KINDS[...].routed)."""
+        return [i for i, kind in enumerate(self.layer_kinds) if LAYER_KINDS[kind].routed]
 
     @property
     def is_dense(self) -> bool:

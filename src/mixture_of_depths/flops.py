@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .config import MoDConfig
+from .config import LAYER_KINDS, MoDConfig
 from .layers import Attention
 from .model import BLOCKS
 
@@ -160,6 +160,7 @@ def estimate_flops(
     context = seq_len if decode_context is None else decode_context
     layers: list[LayerFlops] = []
     decode, kv_bytes = 0.0, 0.0
+    routed = set(cfg.routed_layers)
     for i, kind in enumerate(cfg.layer_kinds):
         block = BLOCKS[kind]
         full = block.cost(cfg, T)  # top-k, full attention products (FlopCounterMode's count)
@@ -179,7 +180,7 @@ def estimate_flops(
         )
         # One new token: it takes the layer with probability p, and attends over the keys the
         # layer caches (the same share p of the context).
-        p = next(takes) if block.routed else 1.0
+        p = next(takes) if i in routed else 1.0
         step = block.cost(cfg, 1, attn=p, mlp=p, keys=p * context)
         decode += step.flops
         kv_bytes += step.attn_tokens * Attention.kv_entry(cfg) * bytes_per_element
@@ -214,8 +215,8 @@ def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[floa
     (r_attn, r_mlp) for staggered routing."""
     it = iter(per_router)
     shares = []
-    for block_kind in cfg.layer_kinds:
-        if not BLOCKS[block_kind].routed:
+    for kind in cfg.layer_kinds:
+        if not LAYER_KINDS[kind].routed:
             shares.append((1.0, 1.0))
         elif cfg.routing == "joint":
             r = next(it)

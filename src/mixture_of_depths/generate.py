@@ -160,7 +160,8 @@ def decode_step(
     """Feed one token (host ids) to each of `rows` (sorted host indices of cache rows); returns
     logits (n, vocab) and the routing decisions (n, n_routers) on the host. Positions come from
     the cache: each row's next position."""
-    view = cache if len(rows) == cache.batch_size else cache.subset(rows)
+    every = len(rows) == cache.batch_size and torch.equal(rows.cpu(), torch.arange(len(rows)))
+    view = cache if every else cache.subset(rows)
     idx = tokens.to(cache.device)[:, None]
     out = model(idx, routing="causal", cache=view, last_only=True)
     return out.logits[:, 0], routing_table(out.routes, len(rows), 1)[:, 0]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import Cache
-from .config import MoDConfig
+from .config import LAYER_KINDS, MoDConfig
 from .layers import MLP, Attention, KVHook, LayerCost, Predictor, RMSNorm, price, rope_tables
 from .precision import at_least_float32
 from .routing import (
@@ -72,7 +72,11 @@ class Pass:
 class Block(nn.Module):
     """A pre-norm transformer block. Subclasses (one per layer kind) say which tokens take it."""
 
-    routed = False
+    kind = ""  # its letter in `layer_pattern`
+
+    @property
+    def routed(self) -> bool:
+        return LAYER_KINDS[self.kind].routed
 
     def __init__(self, cfg: MoDConfig, layer: int) -> None:
         super().__init__()
@@ -120,6 +124,8 @@ class Block(nn.Module):
 class DenseBlock(Block):
     """Every token takes the block."""
 
+    kind = "D"
+
     def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
         # A padded prompt stores only its real tokens (p.valid_BT) in the cache.
         kv = p.kv(self.layer, p.valid_BT)
@@ -140,7 +146,7 @@ class RoutedBlock(Block):
     """A router (joint routing), or one for attention and one for the MLP (staggered routing),
     picks the tokens that take the block; the others ride the residual stream unchanged."""
 
-    routed = True
+    kind = "R"
 
     def __init__(self, cfg: MoDConfig, layer: int) -> None:
         super().__init__(cfg, layer)
@@ -177,7 +183,7 @@ class RoutedBlock(Block):
         r_BT, pred_BT = self.router_logits(kind, x_BTD)
         decide_BT = r_BT if pred_BT is None else pred_BT
         if p.decode:  # one new token per row: top-k over it means nothing
-            take_BT = decide_BT > 0
+            take_BT = (decide_BT > 0).cpu()  # the one host sync of a routed decode step
             x_BTD = self.run_rows(kind, x_BTD, r_BT, take_BT, p)
             return x_BTD, Route(self.layer, kind, take_BT, r_BT, None, pred_BT)
         if p.valid_BT is None:
@@ -236,9 +242,9 @@ class RoutedBlock(Block):
         return torch.where(take_BT.unsqueeze(-1), y_BTD, x_BTD)
 
     def run_rows(self, kind: str, x_N1D: Tensor, r_N1: Tensor, take_N1: Tensor, p: Pass) -> Tensor:
-        """Decode step: run the block on the rows whose token takes it, and only they append to
-        this layer's cache."""
-        take = take_N1[:, 0].cpu()  # the one host sync of a routed layer's decode step
+        """Decode step: run the block on the rows whose token takes it (`take_N1` on the host),
+        and only they append to this layer's cache."""
+        take = take_N1[:, 0]
         sel = take.nonzero().squeeze(1)
         m, n = sel.numel(), take.numel()
         if m == 0:
@@ -270,7 +276,7 @@ class RoutedBlock(Block):
         # Top-k by default: each sub-block takes its own k = capacity_tokens(capacity, tokens).
         k = cfg.capacity_tokens(int(tokens)) if attn is None or mlp is None else 0
         attn, mlp = (k if attn is None else attn), (k if mlp is None else mlp)
-        routers = len(("block",) if cfg.routing == "joint" else ("attn", "mlp"))
+        routers = 1 if cfg.routing == "joint" else 2  # staggered: attention's and the MLP's
         return price(cfg, tokens, attn, mlp, attn if keys is None else keys, routers)
 
 
@@ -372,8 +378,8 @@ class MoDTransformer(nn.Module):
         logits = self.lm_head(self.norm(x_BTD))
         if cache is not None:
             cache.advance(T if lengths is None else torch.as_tensor(lengths).cpu())
-        # A decode step has no top-k targets: no aux loss (and no op spent on a zero).
-        aux_loss = None if p.decode else router_aux_loss(routes, logits)
+        # With a cache there is nothing to train: no aux loss (a prefill's would count padding).
+        aux_loss = None if cache is not None else router_aux_loss(routes, logits)
         out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
         if targets is not None:
             out.lm_loss = F.cross_entropy(
@@ -404,6 +410,11 @@ class MoDTransformer(nn.Module):
                 cfg.head_dim, T, cfg.rope_theta, idx.device, at_least_float32(dtype)
             )
             return Pass(routing, cos, sin)
+        if cache.dtype != dtype:
+            raise ValueError(
+                f"the KV cache holds {cache.dtype} but the model computes in {dtype}: build the "
+                "cache with the model's dtype"
+            )
         pos = cache.positions()
         if len(pos) != B:
             raise ValueError(f"idx has {B} rows but the cache has {len(pos)}")
@@ -418,8 +429,8 @@ class MoDTransformer(nn.Module):
             if T != 1 or routing != "causal" or lengths is not None:
                 raise ValueError(
                     "after its prefill a cache takes one token per row with routing='causal' "
-                    "(top-k reads the whole sequence and cannot decode); got "
-                    f"{T} tokens, {routing!r}"
+                    "and no lengths (top-k reads the whole sequence and cannot decode); got "
+                    f"{T} tokens, routing={routing!r}, lengths={lengths!r}"
                 )
             pos_d = pos.to(cache.device)
             return Pass(
@@ -428,6 +439,8 @@ class MoDTransformer(nn.Module):
         if lengths is None:
             return Pass(routing, cos_S[:T], sin_S[:T], cache)
         lens = torch.as_tensor(lengths).cpu()
+        if lens.dtype.is_floating_point or lens.dtype == torch.bool or lens.is_complex():
+            raise ValueError(f"lengths must hold integers, got dtype {lens.dtype}")
         if lens.shape != (B,) or int(lens.min()) < 1 or int(lens.max()) > T:
             raise ValueError(f"lengths must be (batch,) = ({B},) in [1, {T}], got {lens.tolist()}")
         lens_d = lens.to(idx.device)

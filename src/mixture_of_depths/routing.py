@@ -32,10 +32,11 @@ def route_name(layer: int, kind: str) -> str:
 class Route:
     """What one router did on one forward pass (returned, never stored on the module).
 
-    `mask` (B, T) bool: the tokens this router sent through its sub-block. `logits` (B, T): raw
-    router weights r. `target` (B, T) bool: top-k membership over each row's tokens, the aux-loss
-    target (equal to `mask` in top-k mode); None on a cached decode step, where a row brings one
-    token and top-k over it means nothing. `predictor_logits` (B, T): the causal predictor's
+    `mask` (B, T) bool: the tokens this router sent through its sub-block (on the host on a
+    cached decode step, where the decision had to reach the host to pick the rows). `logits`
+    (B, T): raw router weights r. `target` (B, T) bool: top-k membership over each row's tokens,
+    the aux-loss target (equal to `mask` in top-k mode); None on a decode step, where a row brings
+    one token and top-k over it means nothing. `predictor_logits` (B, T): the causal predictor's
     logits, predictor mode only.
     """
 
@@ -155,9 +156,11 @@ def calibrate_predictors(model: nn.Module, idx: Tensor, take: float) -> list[flo
 
     For untrained predictor-mode models (benchmarks, tests), whose predictors say "take" or "skip"
     for nearly every token. Routers are calibrated in forward order, since each reads the output of
-    the ones before, and the threshold goes midway between two neighbouring *distinct* logits, so
-    no token sits on it (equal logits are common: a token that skipped every block before reads
-    its bare embedding, so repeats of it score alike).
+    the ones before. The threshold goes midway across the widest gap between neighbouring logits
+    near the asked share (within 2% of the tokens), so no token sits on or near it: equal logits
+    are common (a token that skipped every block before reads its bare embedding, so repeats of it
+    score alike), and a threshold on a token's logit would let round-off decide for it. A gap
+    below 1e-4 of the logits' range is an error.
     """
     if model.config.causal_router != "predictor":
         raise ValueError(
@@ -169,12 +172,18 @@ def calibrate_predictors(model: nn.Module, idx: Tensor, take: float) -> list[flo
     n_routes = len(model(idx, routing="causal").routes)
     for i in range(n_routes):
         route = model(idx, routing="causal").routes[i]
-        z = route.predictor_logits.flatten().sort().values
-        cut = min(max(int(len(z) * (1 - take)), 1), len(z) - 1)
-        gaps = (z[1:] > z[:-1]).nonzero().squeeze(1) + 1  # i with z[i - 1] < z[i]
-        if not len(gaps):
-            raise ValueError(f"router {route.name}: every predictor logit is equal")
-        cut = int(gaps[(gaps - cut).abs().argmin()])
+        z = route.predictor_logits.flatten().double().sort().values
+        n = len(z)
+        cut = min(max(int(n * (1 - take)), 1), n - 1)
+        reach = max(1, n // 50)
+        lo, hi = max(1, cut - reach), min(n - 1, cut + reach)
+        gaps = z[lo : hi + 1] - z[lo - 1 : hi]  # gaps[j] lies between z[lo + j - 1] and z[lo + j]
+        cut = lo + int(gaps.argmax())
+        if float(z[cut] - z[cut - 1]) <= 1e-4 * float(z[-1] - z[0]):
+            raise ValueError(
+                f"router {route.name}: no gap between predictor logits near a share {take} to put "
+                "the threshold in; calibrate on more varied tokens"
+            )
         fc2 = model.blocks[route.layer].predictor[route.kind].fc2
         fc2.bias -= ((z[cut - 1] + z[cut]) / 2).to(fc2.bias.dtype)
     return [r.mask.float().mean().item() for r in model(idx, routing="causal").routes]
