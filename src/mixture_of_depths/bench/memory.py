@@ -28,6 +28,7 @@ import torch
 
 from ..config import MoDConfig
 from ..model import MoDTransformer
+from ..precision import autocast_for
 
 # glibc settings for the child process: big blocks mmapped and unmapped on free, heap trimmed.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -93,7 +94,7 @@ def measure(
     idx, targets = data[:, :-1], data[:, 1:]
 
     def step() -> int:
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        with autocast_for(dev, dtype):
             saved, out = saved_activation_bytes(model, lambda: model(idx, targets).loss)
         out.backward()
         return saved
