@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,39 @@ def test_train_compile_matches_eager(corpus: Path, tmp_path: Path):
     assert sorted(got) == sorted(want) == [1, 2, 3]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+
+
+def test_cli_generate_streams_what_generate_samples(corpus: Path, tmp_path: Path, capsys):
+    """`mod generate`: plain streaming prints the prompt and exactly the greedy continuation that
+    `generate` samples from the same checkpoint; --show-routing prints every token coloured by
+    the routed blocks it took, with a legend and the share per routed layer of the same run."""
+    from mixture_of_depths.data import load_tokenizer
+    from mixture_of_depths.generate import generate
+    from mixture_of_depths.routing import calibrate_predictors
+
+    cfg = MoDConfig(**TINY, causal_router="predictor")
+    train(cfg, tc(corpus, tmp_path / "run", steps=2, eval_every=2), progress=False)
+    ckpt = tmp_path / "run" / "checkpoint"
+    model, cfg = load_model(ckpt)
+    tok = load_tokenizer(ckpt)
+    prompt = "def x = y"
+    # About half the tokens take the routed block, so the colours and shares say something.
+    calibrate_predictors(model, torch.tensor([tok.encode("def x in y ( ) for self if z")]), 0.5)
+    save_checkpoint(ckpt, model, cfg, tokenizer=tok)
+    n = 12
+    want = generate(
+        model, [tok.encode(prompt)], n, temperature=0, eos_id=tok.eot_id, return_routing=True
+    )
+    ids = [t for t in want.tokens[0] if t != tok.eot_id]
+    capsys.readouterr()
+    base = ["generate", "--checkpoint", str(ckpt), "--prompt", prompt, "--temperature", "0"]
+    assert main([*base, "--max-new-tokens", str(n)]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(ids) + "\n"
+    assert main([*base, "--max-new-tokens", str(n), "--show-routing"]) == 0
+    shown = capsys.readouterr().out
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", shown)
+    assert plain.startswith(prompt + tok.decode(want.tokens[0]))
+    share = want.routing[0].float().mean(0)[0].item()
+    assert 0 < share < 1  # precondition: some tokens took the routed block and some skipped it
+    assert "routed blocks taken per token (of 1)" in plain and f"L1 {share:.0%}" in plain
+    assert main([*base, "--max-new-tokens", "0"]) == 2  # a clear error, not a crash
