@@ -114,8 +114,10 @@ def test_mod_flops_cli(capsys):
             dict(layer_pattern="RRD", routing="staggered", causal_router="predictor"),
             [1, 0, 0, 1, 1, 1],  # take attention only, the MLP only, both
         ),
+        # aux_loss: r = x @ w decides, so w = 0 (r = 0, not > 0) is the only sure decision: skip.
+        (dict(layer_pattern="DR", routing="staggered", causal_router="aux_loss"), [0, 0, 0, 0]),
     ],
-    ids=["joint", "staggered"],
+    ids=["joint", "staggered", "aux_loss"],
 )
 def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     """`decode_cost` (the sum of the kinds' cost functions, which the decode benchmark uses) counts
@@ -128,8 +130,12 @@ def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     with torch.no_grad():
         for block in model.blocks:
             for kind in getattr(block, "route_kinds", ()):
+                take = next(it)
+                if cfg.causal_router == "aux_loss":
+                    block.router[kind].weight.zero_()
+                    continue
                 block.predictor[kind].fc2.weight.zero_()
-                block.predictor[kind].fc2.bias.fill_(5.0 if next(it) else -5.0)
+                block.predictor[kind].fc2.bias.fill_(5.0 if take else -5.0)
     P = 20
     idx = torch.randint(0, cfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(2))
     cache = KVCache(cfg, 1, P + 1)

@@ -193,19 +193,24 @@ class LayerCost:
 
 
 def price(
-    cfg: MoDConfig, tokens: float, attn: float, mlp: float, keys: float, routers: int
+    cfg: MoDConfig,
+    attn: float,
+    mlp: float,
+    keys: float,
+    routed: float = 0.0,
+    predicted: float = 0.0,
 ) -> LayerCost:
-    """`tokens` tokens reach the layer, `attn` of them run attention (each query against `keys`
-    keys), `mlp` run the MLP, and every token is scored by `routers` routers (and predictors)."""
-    pred = cfg.causal_router == "predictor"
+    """`attn` tokens run attention (each query against `keys` keys), `mlp` tokens run the MLP,
+    a router weighs `routed` tokens and a predictor scores `predicted` (summed over routers)."""
     return LayerCost(
         attn_tokens=attn,
         matmul=2 * (attn * Attention.params(cfg) + mlp * MLP.params(cfg)),
         attention=attn * keys * Attention.flops_per_key(cfg),
-        router=tokens * routers * 2 * cfg.d_model,
-        predictor=tokens * routers * Predictor.flops_per_token(cfg) if pred else 0.0,
+        router=routed * 2 * cfg.d_model,
+        predictor=predicted * Predictor.flops_per_token(cfg),
         params=attn * Attention.params(cfg)
         + mlp * MLP.params(cfg)
-        + tokens * routers * (cfg.d_model + (Predictor.params(cfg) if pred else 0)),
+        + routed * cfg.d_model
+        + predicted * Predictor.params(cfg),
         kv_entries=attn * keys,
     )

@@ -116,8 +116,9 @@ class Block(nn.Module):
         keys: float | None = None,
     ) -> LayerCost:
         """The layer's work when `tokens` tokens reach it: `attn` / `mlp` of them run each
-        sub-block where the kind lets tokens choose (default: what top-k picks), and each attention
-        query sees `keys` keys (default: all the tokens that run attention)."""
+        sub-block where the kind lets tokens choose (default: top-k's choice; given: causal
+        routing, as in decoding), and each attention query sees `keys` keys (default: all the
+        tokens that run attention)."""
         raise NotImplementedError
 
 
@@ -139,7 +140,7 @@ class DenseBlock(Block):
         mlp: float | None = None,
         keys: float | None = None,
     ) -> LayerCost:
-        return price(cfg, tokens, tokens, tokens, tokens if keys is None else keys, routers=0)
+        return price(cfg, tokens, tokens, tokens if keys is None else keys)
 
 
 class RoutedBlock(Block):
@@ -159,17 +160,18 @@ class RoutedBlock(Block):
                 {kind: Predictor(cfg.d_model, cfg.predictor_hidden) for kind in self.route_kinds}
             )
 
-    def router_logits(self, kind: str, x_BTD: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Raw router weights r = x @ w (B, T) and, in predictor mode, the predictor's logits,
-        both in at least float32."""
+    def router_weight(self, kind: str, x_BTD: Tensor) -> Tensor:
+        """Raw router weights r = x @ w (B, T), in at least float32."""
         if self.cfg.router_scores == "random":  # ablation: scores that know nothing
-            r_BT = torch.randn(x_BTD.shape[:-1], device=x_BTD.device)
-        else:
-            r_BT = linear32(x_BTD, self.router[kind]).squeeze(-1)
+            return torch.randn(x_BTD.shape[:-1], device=x_BTD.device)
+        return linear32(x_BTD, self.router[kind]).squeeze(-1)
+
+    def predictor_logits(self, kind: str, x_BTD: Tensor) -> Tensor | None:
+        """The causal predictor's logits (B, T) in predictor mode, else None."""
         if self.cfg.causal_router != "predictor":
-            return r_BT, None
+            return None
         # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
-        return r_BT, self.predictor[kind](x_BTD.detach())
+        return self.predictor[kind](x_BTD.detach() if torch.is_grad_enabled() else x_BTD)
 
     def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
         routes = []
@@ -180,12 +182,15 @@ class RoutedBlock(Block):
 
     def route(self, kind: str, x_BTD: Tensor, p: Pass) -> tuple[Tensor, Route]:
         T = x_BTD.shape[1]
-        r_BT, pred_BT = self.router_logits(kind, x_BTD)
-        decide_BT = r_BT if pred_BT is None else pred_BT
+        pred_BT = self.predictor_logits(kind, x_BTD)
         if p.decode:  # one new token per row: top-k over it means nothing
-            take_BT = (decide_BT > 0).cpu()  # the one host sync of a routed decode step
+            # The predictor decides; the router's weight then only gates the rows that take.
+            r_BT = self.router_weight(kind, x_BTD) if pred_BT is None else None
+            take_BT = ((r_BT if pred_BT is None else pred_BT) > 0).cpu()  # the one host sync
             x_BTD = self.run_rows(kind, x_BTD, r_BT, take_BT, p)
             return x_BTD, Route(self.layer, kind, take_BT, r_BT, None, pred_BT)
+        r_BT = self.router_weight(kind, x_BTD)
+        decide_BT = r_BT if pred_BT is None else pred_BT
         if p.valid_BT is None:
             idx_BK = topk_indices(r_BT, self.cfg.capacity_tokens(T))
             target_BT = positions_mask(idx_BK, T)
@@ -241,26 +246,26 @@ class RoutedBlock(Block):
         y_BTD = self.gated(kind, x_BTD, r_BT, p.cos, p.sin, mask, kv)
         return torch.where(take_BT.unsqueeze(-1), y_BTD, x_BTD)
 
-    def run_rows(self, kind: str, x_N1D: Tensor, r_N1: Tensor, take_N1: Tensor, p: Pass) -> Tensor:
+    def run_rows(
+        self, kind: str, x_N1D: Tensor, r_N1: Tensor | None, take_N1: Tensor, p: Pass
+    ) -> Tensor:
         """Decode step: run the block on the rows whose token takes it (`take_N1` on the host),
-        and only they append to this layer's cache."""
-        take = take_N1[:, 0]
-        sel = take.nonzero().squeeze(1)
-        m, n = sel.numel(), take.numel()
+        and only they append to this layer's cache. `r_N1` None: the router weights are needed
+        for the gate of the taking rows only (predictor mode), computed here."""
+        sel = take_N1.view(-1).nonzero().view(-1)
+        m, n = len(sel), len(take_N1)
         if m == 0:
             return x_N1D
-        cache, cos, sin = p.cache, p.cos, p.sin
-        if m == n:
-            x_M1D, r_M1, sel_d = x_N1D, r_N1, None
-        else:
-            if m == 1:  # the common case at low capacity: slices, not gathers
-                i = int(sel[0])
-                x_M1D, r_M1 = x_N1D[i : i + 1], r_N1[i : i + 1]
-                cos, sin = cos[i : i + 1], sin[i : i + 1]
+        cache, cos, sin, x_M1D, r_M1, sel_d = p.cache, p.cos, p.sin, x_N1D, r_N1, None
+        if m < n:
             sel_d = sel.to(x_N1D.device)
-            if m > 1:
-                x_M1D, r_M1, cos, sin = x_N1D[sel_d], r_N1[sel_d], cos[sel_d], sin[sel_d]
+            # One row, the common case at low capacity: slices, not gathers.
+            pick = slice(int(sel[0]), int(sel[0]) + 1) if m == 1 else sel_d
+            x_M1D, cos, sin = x_N1D[pick], cos[pick], sin[pick]
+            r_M1 = None if r_N1 is None else r_N1[pick]
             cache = None if kind == "mlp" else cache.subset(sel)
+        if r_M1 is None:
+            r_M1 = self.router_weight(kind, x_M1D)
         kv = None if cache is None else cache.hook(self.layer, None)
         y_M1D = self.gated(kind, x_M1D, r_M1, cos, sin, None, kv)
         return y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
@@ -273,11 +278,18 @@ class RoutedBlock(Block):
         mlp: float | None = None,
         keys: float | None = None,
     ) -> LayerCost:
-        # Top-k by default: each sub-block takes its own k = capacity_tokens(capacity, tokens).
-        k = cfg.capacity_tokens(int(tokens)) if attn is None or mlp is None else 0
-        attn, mlp = (k if attn is None else attn), (k if mlp is None else mlp)
         routers = 1 if cfg.routing == "joint" else 2  # staggered: attention's and the MLP's
-        return price(cfg, tokens, attn, mlp, attn if keys is None else keys, routers)
+        predicted = tokens * routers if cfg.causal_router == "predictor" else 0.0
+        if attn is None or mlp is None:
+            # Top-k: every token is weighed; each sub-block takes its own capacity_tokens.
+            k = cfg.capacity_tokens(int(tokens))
+            attn, mlp = (k if attn is None else attn), (k if mlp is None else mlp)
+            routed = tokens * routers
+        elif predicted:  # causal, predictor mode: the router only gates the tokens that take
+            routed = attn if cfg.routing == "joint" else attn + mlp
+        else:  # causal, aux_loss mode: the router's weight is every token's decision
+            routed = tokens * routers
+        return price(cfg, attn, mlp, attn if keys is None else keys, routed, predicted)
 
 
 # One class per letter of `layer_pattern` (config.LAYER_KINDS says what each letter means).

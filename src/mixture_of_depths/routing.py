@@ -34,16 +34,17 @@ class Route:
 
     `mask` (B, T) bool: the tokens this router sent through its sub-block (on the host on a
     cached decode step, where the decision had to reach the host to pick the rows). `logits`
-    (B, T): raw router weights r. `target` (B, T) bool: top-k membership over each row's tokens,
-    the aux-loss target (equal to `mask` in top-k mode); None on a decode step, where a row brings
-    one token and top-k over it means nothing. `predictor_logits` (B, T): the causal predictor's
-    logits, predictor mode only.
+    (B, T): raw router weights r; None on a decode step in predictor mode, where the router runs
+    only for the rows that take the block (its weight is their gate). `target` (B, T) bool: top-k
+    membership over each row's tokens, the aux-loss target (equal to `mask` in top-k mode); None
+    on a decode step, where a row brings one token and top-k over it means nothing.
+    `predictor_logits` (B, T): the causal predictor's logits, predictor mode only.
     """
 
     layer: int
     kind: str  # "block" (joint routing), "attn" or "mlp" (staggered routing)
     mask: Tensor
-    logits: Tensor
+    logits: Tensor | None
     target: Tensor | None
     predictor_logits: Tensor | None = None
 
