@@ -160,11 +160,13 @@ def decode_step(
     """Feed one token (host ids) to each of `rows` (sorted host indices of cache rows); returns
     logits (n, vocab) and the routing decisions (n, n_routers) on the host. Positions come from
     the cache: each row's next position."""
-    every = len(rows) == cache.batch_size and torch.equal(rows.cpu(), torch.arange(len(rows)))
+    every = len(rows) == cache.batch_size and rows.tolist() == list(range(len(rows)))
     view = cache if every else cache.subset(rows)
     idx = tokens.to(cache.device)[:, None]
     out = model(idx, routing="causal", cache=view, last_only=True)
-    return out.logits[:, 0], routing_table(out.routes, len(rows), 1)[:, 0]
+    if not out.routes:
+        return out.logits[:, 0], torch.zeros(len(rows), 0, dtype=torch.bool)
+    return out.logits[:, 0], torch.cat([r.mask for r in out.routes], 1)  # (n, 1) host masks
 
 
 # -- the loop -------------------------------------------------------------------------------------
