@@ -9,9 +9,8 @@ other token leaves bit for bit unchanged. In causal mode each token decides for 
 or predictor logit > 0), so no decision reads a later token.
 
 With a KV cache (`cache.py`) the same blocks run a prefill (the prompt, as the full causal forward
-runs it, storing each layer's takers) or a decode step (one token per row; a routed block runs only
-on the rows whose token takes it). Each block kind also prices its own work (`cost`), which
-flops.py and the decode benchmark add up.
+runs it, storing each layer's takers) or a decode step (a routed block runs only on the rows whose
+token takes it). Each block kind prices its own work (`cost`) for flops.py and the benchmarks.
 
 Names with shape suffixes: B batch, T tokens of the forward, K routed subset, D model width.
 """
@@ -69,6 +68,9 @@ class Pass:
 
 
 # -- blocks ---------------------------------------------------------------------------------------
+Count = float | None  # tokens (or a share of them) in a cost function; None: the kind's default
+
+
 class Block(nn.Module):
     """A pre-norm transformer block. Subclasses (one per layer kind) say which tokens take it."""
 
@@ -109,11 +111,7 @@ class Block(nn.Module):
 
     @staticmethod
     def cost(
-        cfg: MoDConfig,
-        tokens: float,
-        attn: float | None = None,
-        mlp: float | None = None,
-        keys: float | None = None,
+        cfg: MoDConfig, tokens: float, attn: Count = None, mlp: Count = None, keys: Count = None
     ) -> LayerCost:
         """The layer's work when `tokens` tokens reach it: `attn` / `mlp` of them run each
         sub-block where the kind lets tokens choose (default: top-k's choice; given: causal
@@ -134,11 +132,7 @@ class DenseBlock(Block):
 
     @staticmethod
     def cost(
-        cfg: MoDConfig,
-        tokens: float,
-        attn: float | None = None,
-        mlp: float | None = None,
-        keys: float | None = None,
+        cfg: MoDConfig, tokens: float, attn: Count = None, mlp: Count = None, keys: Count = None
     ) -> LayerCost:
         return price(cfg, tokens, tokens, tokens if keys is None else keys)
 
@@ -272,11 +266,7 @@ class RoutedBlock(Block):
 
     @staticmethod
     def cost(
-        cfg: MoDConfig,
-        tokens: float,
-        attn: float | None = None,
-        mlp: float | None = None,
-        keys: float | None = None,
+        cfg: MoDConfig, tokens: float, attn: Count = None, mlp: Count = None, keys: Count = None
     ) -> LayerCost:
         routers = 1 if cfg.routing == "joint" else 2  # staggered: attention's and the MLP's
         predicted = tokens * routers if cfg.causal_router == "predictor" else 0.0
