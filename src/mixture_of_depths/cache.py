@@ -2,11 +2,11 @@
 tokens that took each layer.
 
 `MoDTransformer.forward(idx, cache=...)` is the one forward path of training, prefill and decode: a
-block that runs attention hands its new keys and values to the cache (`Cache.attend`) and attends
-to what the cache gives back. On a prefill (the cache holds nothing yet) the cache stores the new
-tokens that took the layer and the prompt attends within itself, exactly as the full forward does;
-on a decode step (one new token per row) it appends the token's key and value and returns all
-that the layer holds for those rows. docs/semantics.md says what a layer stores and why.
+block that runs attention hands its new keys and values to the cache through `kv_hook`. On a
+prefill (the cache holds nothing yet) the cache stores the new tokens that took the layer
+(`write_prefill`) and the prompt attends within itself, exactly as the full forward does; on a
+decode step (one new token per row) it appends the token's key and value and returns all that the
+layer holds for those rows (`append_and_read`). docs/semantics.md says what a layer stores and why.
 
 Layout of `KVCache`: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l, head_dim) and
 ``lengths[l, b]`` says how many slots of row b are filled. Slots are filled left to right with no
@@ -28,7 +28,6 @@ take a layer, so no device-to-host copy is needed to read or check them.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -42,9 +41,8 @@ _MIN_SLOTS = 16
 
 
 class Cache(Protocol):
-    """What `MoDTransformer.forward` needs from a KV cache: positions, rotary tables, and one
-    call per attention that writes the new keys/values of the tokens that took the layer and
-    reads what the layer holds."""
+    """What `MoDTransformer.forward` needs from a KV cache: positions, rotary tables, and per
+    attention call either a prefill's write or a decode step's append-and-read."""
 
     max_len: int
     device: torch.device
@@ -58,15 +56,16 @@ class Cache(Protocol):
         """Rotary tables (max_len, head_dim) in the cache's compute dtype."""
         ...
 
-    def attend(
-        self, layer: int, k: Tensor, v: Tensor, mask: Tensor | None, take_BT: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Store the keys/values (B, n_kv_heads, T, head_dim) of the new tokens with `take_BT` set
-        (all when None); return the keys, values and mask the new queries attend to."""
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
+        """Store the prompt's keys/values (B, n_kv_heads, T, head_dim) of the tokens with
+        `take_BT` set (all when None) in the empty `layer`."""
         ...
 
-    def hook(self, layer: int, take_BT: Tensor | None) -> KVHook:
-        """`attend` for one layer, as the attention module calls it."""
+    def append_and_read(
+        self, layer: int, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Append one key/value per row (n, n_kv_heads, 1, head_dim); return the keys, values and
+        validity mask of everything `layer` holds for these rows."""
         ...
 
     def subset(self, rows: Tensor) -> Cache:
@@ -76,6 +75,20 @@ class Cache(Protocol):
     def advance(self, counts: Tensor | int) -> None:
         """After a forward: each row has processed `counts` more tokens."""
         ...
+
+
+def kv_hook(cache: Cache, layer: int, take_BT: Tensor | None, decode: bool) -> KVHook:
+    """The attention's hook into `cache` for one layer. On a prefill the prompt's takers are
+    stored and the prompt attends within itself, exactly as the full forward does; on a decode
+    step the new token is appended and attends to all that the layer holds for its row."""
+    if decode:
+        return lambda k, v, mask: cache.append_and_read(layer, k, v)
+
+    def store(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        cache.write_prefill(layer, k, v, take_BT)
+        return k, v, mask
+
+    return store
 
 
 class KVCache:
@@ -113,7 +126,6 @@ class KVCache:
         self._lengths = torch.zeros(config.n_layers, batch_size, dtype=torch.long)
         self._positions = torch.zeros(batch_size, dtype=torch.long)
         self._all_rows = torch.arange(batch_size)
-        self._prefilled = False
         self.cos, self.sin = rope_tables(
             config.head_dim, max_len, config.rope_theta, self.device, at_least_float32(dtype)
         )
@@ -125,30 +137,6 @@ class KVCache:
     def rope(self) -> tuple[Tensor, Tensor]:
         return self.cos, self.sin
 
-    def attend(
-        self,
-        layer: int,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor | None,
-        take_BT: Tensor | None = None,
-        rows: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        if not self._prefilled:  # the prompt attends within itself, as in the full forward
-            if rows is not None:
-                raise ValueError("a prefill fills every row of the cache: run the whole batch")
-            self.write_prefill(layer, k, v, take_BT)
-            return k, v, mask
-        if k.shape[2] != 1 or take_BT is not None:
-            raise ValueError(
-                "after its prefill a KV cache takes one new token per row and forward (a decode "
-                f"step) and only tokens that take the layer; got {k.shape[2]} tokens per row"
-            )
-        return self.append_and_read(layer, self._all_rows if rows is None else rows, k, v)
-
-    def hook(self, layer: int, take_BT: Tensor | None, rows: Tensor | None = None) -> KVHook:
-        return partial(self.attend, layer, take_BT=take_BT, rows=rows)
-
     def subset(self, rows: Tensor) -> CacheRows:
         return CacheRows(self, rows)
 
@@ -157,7 +145,6 @@ class KVCache:
             self._positions += counts
         else:
             self._positions[rows] += counts
-        self._prefilled = True
 
     # -- what is held ---------------------------------------------------------------------------
     @property
@@ -222,15 +209,17 @@ class KVCache:
         self._lengths[layer] = counts
 
     def append_and_read(
-        self, layer: int, rows: Tensor, k: Tensor, v: Tensor
+        self, layer: int, k: Tensor, v: Tensor, rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Append one key/value (n, n_kv_heads, 1, head_dim) to each of `rows` (sorted host ids),
-        then return what those rows attend to: keys, values (n, n_kv_heads, S, head_dim) and a
-        validity mask (n, 1, 1, S), or None when every returned slot is filled (S = longest row).
+        """Append one key/value (n, n_kv_heads, 1, head_dim) to each of `rows` (sorted host ids;
+        None: every row), then return what those rows attend to: keys, values (n, n_kv_heads, S,
+        head_dim) and a validity mask (n, 1, 1, S), or None when every returned slot is filled
+        (S = longest row).
 
         When the rows are all rows or a single row and their lengths are equal (the usual case),
         this is one slice write and a slice read: no gather, no mask.
         """
+        rows = self._all_rows if rows is None else rows
         lens = self._lengths[layer, rows]
         lo, hi = int(lens.min()), int(lens.max())
         self._ensure(layer, hi + 1)
@@ -258,7 +247,7 @@ class CacheRows:
     generating, or those whose token takes a routed layer on a decode step."""
 
     def __init__(self, cache: KVCache, rows: Tensor) -> None:
-        if not cache._prefilled:
+        if not cache._positions.all():
             raise ValueError(
                 "rows of a KV cache are for decode steps: prefill the whole batch first"
             )
@@ -271,13 +260,13 @@ class CacheRows:
     def rope(self) -> tuple[Tensor, Tensor]:
         return self.cache.rope()
 
-    def attend(
-        self, layer: int, k: Tensor, v: Tensor, mask: Tensor | None, take_BT: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        return self.cache.attend(layer, k, v, mask, take_BT, self.rows)
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
+        raise ValueError("a prefill fills every row of the cache: run the whole batch")
 
-    def hook(self, layer: int, take_BT: Tensor | None) -> KVHook:
-        return self.cache.hook(layer, take_BT, self.rows)
+    def append_and_read(
+        self, layer: int, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        return self.cache.append_and_read(layer, k, v, self.rows)
 
     def subset(self, rows: Tensor) -> CacheRows:
         return CacheRows(self.cache, self.rows[_check_rows(rows, len(self.rows))])

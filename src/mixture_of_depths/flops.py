@@ -156,11 +156,9 @@ def estimate_flops(
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
     cfg, B, T = config, batch_size, seq_len
-    takes = iter(_take_rates(cfg, take_rate))
+    takes = _take_rates(cfg, take_rate)
     context = seq_len if decode_context is None else decode_context
     layers: list[LayerFlops] = []
-    decode, kv_bytes = 0.0, 0.0
-    routed = set(cfg.routed_layers)
     for i, kind in enumerate(cfg.layer_kinds):
         block = BLOCKS[kind]
         full = block.cost(cfg, T)  # top-k, full attention products (FlopCounterMode's count)
@@ -178,12 +176,11 @@ def estimate_flops(
                 predictor=B * full.predictor,
             )
         )
-        # One new token: it takes the layer with probability p, and attends over the keys the
-        # layer caches (the same share p of the context).
-        p = next(takes) if i in routed else 1.0
-        step = block.cost(cfg, 1, attn=p, mlp=p, keys=p * context)
-        decode += step.flops
-        kv_bytes += step.attn_tokens * Attention.kv_entry(cfg) * bytes_per_element
+    # Decoding: a new token takes each routed layer with probability p (its take-rate) and
+    # attends over the keys the layer caches, the same share p of the context.
+    it, routed = iter(takes), set(cfg.routed_layers)
+    p_layer = [next(it) if i in routed else 1.0 for i in range(cfg.n_layers)]
+    decode, _ = decode_cost(cfg, [(p, p) for p in p_layer], p_layer, context)
     lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
     report = FlopReport(
         config=cfg,
@@ -191,10 +188,10 @@ def estimate_flops(
         batch_size=B,
         layers=layers,
         lm_head=B * T * lm_head_tok,
-        take_rate=_take_rates(cfg, take_rate),
+        take_rate=takes,
         decode_context=context,
-        decode_per_token=decode + lm_head_tok,
-        kv_bytes_per_token=kv_bytes,
+        decode_per_token=decode,
+        kv_bytes_per_token=sum(p_layer) * Attention.kv_entry(cfg) * bytes_per_element,
         bytes_per_element=bytes_per_element,
     )
     if with_dense and not cfg.is_dense:
@@ -242,8 +239,9 @@ def decode_cost(
     Per layer: `take` (attention, MLP) shares of the decoded tokens that run it (`layer_shares`),
     `cached` the share of the `context` it holds, `busy` the shares of steps in which some row
     ran its attention and its MLP (its weights are read once per such step: at batch 8 and 12.5%
-    about 1 - 0.875^8 = 66%; default: `take`, right at batch 1). Bytes: weights read (routers and
-    predictors every step) plus each attending row's cached keys and values, plus the lm_head.
+    about 1 - 0.875^8 = 66%; default: `take`, right at batch 1). Bytes: the weights read (the
+    predictors every step; a router every step in aux-loss mode, in predictor mode only when some
+    row takes its sub-block) plus each attending row's cached keys and values, plus the lm_head.
     Small-batch decoding is bound by these bytes more than by its FLOPs.
     """
     busy = take if busy is None else busy

@@ -354,12 +354,7 @@ def generate_reference(
                 if tok == eos_id:
                     break
                 seq = torch.cat([seq, seq.new_tensor([[tok]])], dim=1)
-            routes = model(seq, routing="causal").routes
-            routing = (
-                torch.stack([r.mask[0] for r in routes], -1).cpu()
-                if routes
-                else (torch.zeros(seq.shape[1], 0, dtype=torch.bool))
-            )
+            routing = routing_table(model(seq, routing="causal").routes, 1, seq.shape[1])[0]
             if len(new) and new[-1] == eos_id:  # a final EOS is never fed back
                 routing = torch.cat([routing, torch.zeros(1, routing.shape[1], dtype=torch.bool)])
             out.tokens.append(new)

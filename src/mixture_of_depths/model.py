@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import Cache
+from .cache import Cache, kv_hook
 from .config import LAYER_KINDS, MoDConfig
 from .layers import MLP, Attention, KVHook, LayerCost, Predictor, RMSNorm, price, rope_tables
 from .precision import at_least_float32
@@ -64,7 +64,62 @@ class Pass:
     lengths: Tensor | None = None  # (B,) on the device: real tokens per row
 
     def kv(self, layer: int, take_BT: Tensor | None) -> KVHook | None:
-        return None if self.cache is None else self.cache.hook(layer, take_BT)
+        return None if self.cache is None else kv_hook(self.cache, layer, take_BT, self.decode)
+
+    @classmethod
+    def start(
+        cls,
+        cfg: MoDConfig,
+        idx: Tensor,
+        routing: str,
+        cache: Cache | None,
+        lengths: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Pass:
+        """The pass over `idx`: the rotary tables of the new tokens' positions, and the cache's
+        mode (none, a prefill or a decode step), with the checks each mode needs."""
+        B, T = idx.shape
+        if cache is None:
+            if lengths is not None:
+                raise ValueError("lengths (right-padded prompts) are for a prefill: pass a cache")
+            cos, sin = rope_tables(
+                cfg.head_dim, T, cfg.rope_theta, idx.device, at_least_float32(dtype)
+            )
+            return cls(routing, cos, sin)
+        if cache.dtype != dtype:
+            raise ValueError(
+                f"the KV cache holds {cache.dtype} but the model computes in {dtype}: build the "
+                "cache with the model's dtype"
+            )
+        pos = cache.positions()
+        if len(pos) != B:
+            raise ValueError(f"idx has {B} rows but the cache has {len(pos)}")
+        start = int(pos.max())
+        if start + T > cache.max_len:
+            raise RuntimeError(
+                f"the KV cache holds max_len={cache.max_len} positions; row at {start} cannot take "
+                f"{T} more"
+            )
+        cos_S, sin_S = cache.rope()
+        if start > 0:  # the prompt is in: a decode step
+            if T != 1 or routing != "causal" or lengths is not None:
+                raise ValueError(
+                    "after its prefill a cache takes one token per row with routing='causal' "
+                    "and no lengths (top-k reads the whole sequence and cannot decode); got "
+                    f"{T} tokens, routing={routing!r}, lengths={lengths!r}"
+                )
+            pos_d = pos.to(cache.device)  # each row's own position: tables (n, 1, 1, d)
+            return cls(routing, cos_S[pos_d, None, None], sin_S[pos_d, None, None], cache, True)
+        if lengths is None:
+            return cls(routing, cos_S[:T], sin_S[:T], cache)
+        lens = torch.as_tensor(lengths).cpu()
+        if lens.dtype.is_floating_point or lens.dtype == torch.bool or lens.is_complex():
+            raise ValueError(f"lengths must hold integers, got dtype {lens.dtype}")
+        if lens.shape != (B,) or int(lens.min()) < 1 or int(lens.max()) > T:
+            raise ValueError(f"lengths must be (batch,) = ({B},) in [1, {T}], got {lens.tolist()}")
+        lens_d = lens.to(idx.device)
+        valid_BT = torch.arange(T, device=idx.device)[None, :] < lens_d[:, None]
+        return cls(routing, cos_S[:T], sin_S[:T], cache, valid_BT=valid_BT, lengths=lens_d)
 
 
 # -- blocks ---------------------------------------------------------------------------------------
@@ -260,7 +315,7 @@ class RoutedBlock(Block):
             cache = None if kind == "mlp" else cache.subset(sel)
         if r_M1 is None:
             r_M1 = self.router_weight(kind, x_M1D)
-        kv = None if cache is None else cache.hook(self.layer, None)
+        kv = None if cache is None else kv_hook(cache, self.layer, None, decode=True)
         y_M1D = self.gated(kind, x_M1D, r_M1, cos, sin, None, kv)
         return y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
 
@@ -367,7 +422,7 @@ class MoDTransformer(nn.Module):
                 "(and logits of every token: last_only=False)"
             )
         x_BTD = self.embed(idx)
-        p = self._pass(idx, routing, cache, lengths, x_BTD.dtype)
+        p = Pass.start(self.config, idx, routing, cache, lengths, x_BTD.dtype)
         routes: list[Route] = []
         for block in self.blocks:
             x_BTD, block_routes = block(x_BTD, p)
@@ -393,58 +448,3 @@ class MoDTransformer(nn.Module):
             if out.aux_loss is not None:
                 out.loss = out.loss + self.config.aux_loss_weight * out.aux_loss
         return out
-
-    def _pass(
-        self,
-        idx: Tensor,
-        routing: str,
-        cache: Cache | None,
-        lengths: Tensor | None,
-        dtype: torch.dtype,
-    ) -> Pass:
-        """The rotary tables of the new tokens' positions, and the cache's mode: none, a prefill
-        or a decode step."""
-        cfg, (B, T) = self.config, idx.shape
-        if cache is None:
-            if lengths is not None:
-                raise ValueError("lengths (right-padded prompts) are for a prefill: pass a cache")
-            cos, sin = rope_tables(
-                cfg.head_dim, T, cfg.rope_theta, idx.device, at_least_float32(dtype)
-            )
-            return Pass(routing, cos, sin)
-        if cache.dtype != dtype:
-            raise ValueError(
-                f"the KV cache holds {cache.dtype} but the model computes in {dtype}: build the "
-                "cache with the model's dtype"
-            )
-        pos = cache.positions()
-        if len(pos) != B:
-            raise ValueError(f"idx has {B} rows but the cache has {len(pos)}")
-        start = int(pos.max())
-        if start + T > cache.max_len:
-            raise RuntimeError(
-                f"the KV cache holds max_len={cache.max_len} positions; row at {start} cannot take "
-                f"{T} more"
-            )
-        cos_S, sin_S = cache.rope()
-        if start > 0:  # the prompt is in: a decode step
-            if T != 1 or routing != "causal" or lengths is not None:
-                raise ValueError(
-                    "after its prefill a cache takes one token per row with routing='causal' "
-                    "and no lengths (top-k reads the whole sequence and cannot decode); got "
-                    f"{T} tokens, routing={routing!r}, lengths={lengths!r}"
-                )
-            pos_d = pos.to(cache.device)
-            return Pass(
-                routing, cos_S[pos_d][:, None, None], sin_S[pos_d][:, None, None], cache, True
-            )
-        if lengths is None:
-            return Pass(routing, cos_S[:T], sin_S[:T], cache)
-        lens = torch.as_tensor(lengths).cpu()
-        if lens.dtype.is_floating_point or lens.dtype == torch.bool or lens.is_complex():
-            raise ValueError(f"lengths must hold integers, got dtype {lens.dtype}")
-        if lens.shape != (B,) or int(lens.min()) < 1 or int(lens.max()) > T:
-            raise ValueError(f"lengths must be (batch,) = ({B},) in [1, {T}], got {lens.tolist()}")
-        lens_d = lens.to(idx.device)
-        valid_BT = torch.arange(T, device=idx.device)[None, :] < lens_d[:, None]
-        return Pass(routing, cos_S[:T], sin_S[:T], cache, valid_BT=valid_BT, lengths=lens_d)

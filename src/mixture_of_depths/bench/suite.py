@@ -564,6 +564,14 @@ def _pct(v: float) -> str:
     return f"{100 * v:.1f}%"
 
 
+# A speed-up over dense beside the FLOP-predicted one, their quotient, and the timing spread.
+_SPEED_COLUMNS = [
+    ("speed-up", 9, lambda r: _x(r["speedup"])),
+    ("FLOP pred.", 10, lambda r: _x(r["speedup_flop_predicted"])),
+    ("effic.", 7, lambda r: _pct(r["efficiency"])),
+    ("range", 6, lambda r: _pct(r["range_rel"])),
+]
+
 # Each table: its title, then (header, width, cell) per column; a cell is a row's key or a
 # function of the row. Widths are right-aligned; a negative width left-aligns.
 _TABLES: dict[str, tuple[str, list[tuple[str, int, Any]]]] = {
@@ -577,10 +585,7 @@ _TABLES: dict[str, tuple[str, list[tuple[str, int, Any]]]] = {
             ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"),
             ("tokens/s", 9, lambda r: f"{r['tokens_per_s']:,.0f}"),
             ("GFLOP/s", 8, lambda r: f"{r['gflop_per_s']:.1f}"),
-            ("speed-up", 9, lambda r: _x(r["speedup"])),
-            ("FLOP pred.", 10, lambda r: _x(r["speedup_flop_predicted"])),
-            ("effic.", 7, lambda r: _pct(r["efficiency"])),
-            ("range", 6, lambda r: _pct(r["range_rel"])),
+            *_SPEED_COLUMNS,
         ],
     ),
     "block": (
@@ -590,10 +595,7 @@ _TABLES: dict[str, tuple[str, list[tuple[str, int, Any]]]] = {
             ("mode", -17, "mode"),
             ("model", -8, "model"),
             ("ms", 8, lambda r: f"{r['ms']:.2f}"),
-            ("speed-up", 9, lambda r: _x(r["speedup"])),
-            ("FLOP pred.", 10, lambda r: _x(r["speedup_flop_predicted"])),
-            ("effic.", 7, lambda r: _pct(r["efficiency"])),
-            ("range", 6, lambda r: _pct(r["range_rel"])),
+            *_SPEED_COLUMNS,
         ],
     ),
     "memory": (
