@@ -9,7 +9,9 @@ A checkpoint is a directory::
     tokenizer.json     the tokenizer the model was trained with
 
 The directory is written under a temporary name and renamed into place, so a crash leaves either the
-old checkpoint or the new one, never a mixture. Nothing is ever unpickled.
+old checkpoint or the new one, never a mixture; the temporary folder a crash leaves behind is
+removed by the next save. Weights that are not finite are never written. Nothing is ever
+unpickled, and a damaged or foreign file is a `CheckpointError` that names it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,67 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
 from .config import MoDConfig
 from .fileio import atomic_save_tensors, fsync_dir, read_json, umask_mode, write_json
 from .model import MoDTransformer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged, truncated, or not a checkpoint file at all."""
+
+
+def corrupt(path: Path, reason: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} is corrupt or not a checkpoint: {reason}")
+
+
+def read_json_file(path: Path, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A checkpoint's JSON file: an object holding `keys`, or a `CheckpointError` naming it."""
+    try:
+        obj = read_json(path)
+    except FileNotFoundError:
+        raise corrupt(path, "the file is missing") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise corrupt(path, f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise corrupt(path, f"expected a JSON object, found {type(obj).__name__}")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise corrupt(path, f"it has no {', '.join(map(repr, missing))}")
+    return obj
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file, or a `CheckpointError` naming it (never unpickled: a pickle or a
+    `torch.save` file under this name is refused, not run)."""
+    if not path.is_file():
+        raise corrupt(path, "the file is missing")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        reason = str(exc) or type(exc).__name__
+        if path.stat().st_size < 8:
+            reason = f"{path.stat().st_size} bytes, too short for a safetensors header"
+        raise corrupt(path, f"not a readable safetensors file ({reason})") from None
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    names = [n for n, t in tensors.items() if t.is_floating_point()]
+    flags = torch.stack(
+        [torch.isfinite(tensors[n]).all() for n in names] or [torch.tensor(True)]
+    ).cpu()  # one host sync for all of them
+    return [n for n, ok in zip(names, flags.tolist(), strict=False) if not ok]
+
+
+def remove_stale_temps(final: Path) -> None:
+    """Remove ``.<name>.*.tmp`` folders beside `final`: checkpoint writes cut short by a crash
+    (each can be a whole model and optimizer copy)."""
+    for tmp in final.parent.glob(f".{final.name}.*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -62,6 +119,14 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def _check_optimizer_meta(path: Path, meta: dict) -> None:
+    groups, scalars = meta["param_groups"], meta["scalars"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise corrupt(path, "'param_groups' must be a list of objects")
+    if not isinstance(scalars, dict):
+        raise corrupt(path, "'scalars' must be an object")
+
+
 def save_checkpoint(
     directory: str | Path,
     model: nn.Module,
@@ -71,16 +136,30 @@ def save_checkpoint(
     trainer_state: dict | None = None,
     tokenizer: Any | None = None,
 ) -> Path:
-    """Write a checkpoint directory atomically (temp directory, then rename)."""
+    """Write a checkpoint directory atomically (temp directory, then rename).
+
+    Refuses (ValueError) weights or optimizer moments that are not finite, so a diverged model
+    never replaces a good checkpoint. Stale temporary folders of earlier, interrupted writes of
+    this checkpoint are removed first: one writer per folder (`runlock.RunLock`) is assumed.
+    """
     final = Path(directory)
+    weights = model_tensors(model)
+    opt_files = optimizer_to_files(optimizer) if optimizer is not None else None
+    bad = nonfinite_tensors({**weights, **(opt_files[0] if opt_files else {})})
+    if bad:
+        raise ValueError(
+            f"refusing to write checkpoint {final}: {len(bad)} tensors hold NaN or infinity "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+        )
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(final)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
     try:
         os.chmod(tmp, umask_mode(0o777))
         write_json(tmp / "config.json", config.to_dict())
-        atomic_save_tensors(tmp / "model.safetensors", model_tensors(model), {"format": "pt"})
-        if optimizer is not None:
-            tensors, meta = optimizer_to_files(optimizer)
+        atomic_save_tensors(tmp / "model.safetensors", weights, {"format": "pt"})
+        if opt_files is not None:
+            tensors, meta = opt_files
             atomic_save_tensors(tmp / "optimizer.safetensors", tensors)
             write_json(tmp / "optimizer.json", meta)
         if trainer_state is not None:
@@ -120,27 +199,44 @@ def load_model(
 ) -> tuple[MoDTransformer, MoDConfig]:
     """Rebuild a `MoDTransformer` from a checkpoint directory."""
     d = resolve_checkpoint(directory)
-    config = MoDConfig.from_dict(read_json(d / "config.json"))
+    config = load_config(d)
     model = MoDTransformer(config)
-    tensors = load_file(d / "model.safetensors")  # to CPU parameters; moved once below
+    tensors = load_tensors(d / "model.safetensors")  # to CPU parameters; moved once below
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:  # shape mismatches
-        raise ValueError(f"checkpoint {d} does not match its config: {exc}") from exc
+        raise CheckpointError(f"checkpoint {d} does not match its config: {exc}") from None
     # Tied weights are stored once; anything else missing is a real mismatch.
     tied = {"lm_head.weight"} if config.tie_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {d} does not match its config: missing {sorted(set(missing) - tied)}, "
             f"unexpected {sorted(unexpected)}"
         )
     return model.to(map_location), config
 
 
+def load_config(directory: str | Path) -> MoDConfig:
+    """The `MoDConfig` of a checkpoint, with errors that name its config.json."""
+    path = resolve_checkpoint(directory) / "config.json"
+    try:
+        return MoDConfig.from_dict(read_json_file(path))
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise corrupt(path, str(exc)) from None
+
+
 def load_optimizer_state(directory: str | Path) -> dict | None:
+    """AdamW's state dict from a checkpoint, or None if it has none (a weights-only one)."""
     d = resolve_checkpoint(directory)
     if not (d / "optimizer.safetensors").exists():
         return None
-    return optimizer_from_files(
-        load_file(d / "optimizer.safetensors"), read_json(d / "optimizer.json")
-    )
+    meta_path = d / "optimizer.json"
+    meta = read_json_file(meta_path, ("param_groups", "scalars"))
+    _check_optimizer_meta(meta_path, meta)
+    tensors = load_tensors(d / "optimizer.safetensors")
+    try:
+        return optimizer_from_files(tensors, meta)
+    except (ValueError, AttributeError) as exc:
+        raise corrupt(d / "optimizer.safetensors", f"unexpected entries ({exc})") from None

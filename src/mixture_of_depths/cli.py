@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import types
 import typing
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import PRESETS, MoDConfig
+from .fileio import json_text
 
 DEFAULT_PRESET = "small"
 
@@ -229,7 +229,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
         tc = TrainConfig(**train_over)
         summary = train(cfg, tc, overwrite=args.overwrite, progress=not args.no_progress)
-    print(json.dumps(summary) if args.json else format_summary(summary))
+    print(json_text(summary) if args.json else format_summary(summary))
     return 0
 
 
@@ -244,7 +244,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         device=args.device,
     )
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
         return 0
     print(f"checkpoint: {res['checkpoint']}")
     print("\n".join(format_eval_lines(res)))
@@ -410,7 +410,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
         take_rate=args.take_rate,
         decode_context=args.decode_context,
     )
-    print(json.dumps(report.to_dict()) if args.json else format_report(report))
+    print(json_text(report.to_dict()) if args.json else format_report(report))
     return 0
 
 
@@ -441,7 +441,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
             n = MoDTransformer(cfg).num_params()
         rows[name] = {**PRESETS[name], "params": n}
     if args.json:
-        print(json.dumps(rows))
+        print(json_text(rows))
     else:
         for name, row in rows.items():
             cfg = MoDConfig.preset(name)

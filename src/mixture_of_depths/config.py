@@ -16,6 +16,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .checks import POSITIVE, POSITIVE_INT, SHARE, Range, check_choice, check_fields
 from .fileio import atomic_write_text
 
 ROUTING_MODES = ("joint", "staggered")
@@ -52,6 +53,9 @@ def capacity_tokens(capacity: float | tuple[int, int], seq_len: Any) -> Any:
     if isinstance(seq_len, int) and seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
     return num * seq_len // den  # <= seq_len since num <= den
+
+
+MAX_D_FF = 1 << 20  # a sanity bound on the MLP width derived from ff_mult
 
 
 class LayerKind(NamedTuple):
@@ -98,10 +102,7 @@ class MoDConfig:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_fields(self, MODEL_RANGES)  # before anything computes with them (d_ff from ff_mult)
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} must divide d_model={self.d_model} "
@@ -117,9 +118,14 @@ class MoDConfig:
                 "attention shares each key/value head among a whole number of query heads)"
             )
         if self.d_ff is None:
-            object.__setattr__(self, "d_ff", 32 * math.ceil(self.ff_mult * self.d_model / 32))
-        if isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1:
-            raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
+            d_ff = 32 * math.ceil(self.ff_mult * self.d_model / 32)
+            if d_ff > MAX_D_FF:
+                raise ValueError(
+                    f"ff_mult={self.ff_mult} gives d_ff={d_ff}, more than {MAX_D_FF}: "
+                    "give a smaller ff_mult (8/3 is the usual SwiGLU size)"
+                )
+            object.__setattr__(self, "d_ff", d_ff)
+        POSITIVE_INT.check("d_ff", self.d_ff)
         if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
             raise ValueError(
                 f"layer_pattern must be a non-empty string of 'D'/'R', got {self.layer_pattern!r}"
@@ -140,14 +146,9 @@ class MoDConfig:
             ("causal_router", CAUSAL_ROUTERS),
             ("router_scores", ROUTER_SCORES),
         ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not self.aux_loss_weight >= 0:  # also rejects NaN
-            raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
-        if self.predictor_hidden < 1:
-            raise ValueError(f"predictor_hidden must be >= 1, got {self.predictor_hidden}")
-        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
-            raise ValueError("rope_theta, norm_eps and init_std must be > 0")
+            check_choice(name, getattr(self, name), allowed)
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 
     # -- derived ----------------------------------------------------------------------------------
     @property
@@ -215,6 +216,21 @@ class MoDConfig:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
+
+# The allowed range of every numeric field, checked in one place (`checks.check_fields`).
+MODEL_RANGES: dict[str, Range] = {
+    **dict.fromkeys(
+        ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"), POSITIVE_INT
+    ),
+    "d_ff": Range(lo=1, integer=True, optional=True),
+    "predictor_hidden": POSITIVE_INT,
+    "ff_mult": Range(lo=0, hi=1024, lo_open=True),
+    "capacity": SHARE,
+    "aux_loss_weight": Range(lo=0),
+    "rope_theta": POSITIVE,
+    "norm_eps": Range(lo=0, hi=1, lo_open=True),
+    "init_std": POSITIVE,
+}
 
 _TINY = dict(d_model=64, n_layers=4, n_heads=4, max_seq_len=128, predictor_hidden=32)
 _SMALL = dict(d_model=192, n_layers=8, n_heads=6, max_seq_len=256)

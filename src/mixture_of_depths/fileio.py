@@ -7,6 +7,7 @@ one, never a mixture, and nothing is ever unpickled.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -66,8 +67,25 @@ def atomic_save_tensors(
     atomic_write(path, lambda tmp: save_file(cpu, tmp, metadata))
 
 
+def strict(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None: JSON has no token for them, and
+    strict parsers (JavaScript's, jq, Go's) reject Python's bare ``NaN``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON text: non-finite floats become null (see `strict`); never ``NaN``."""
+    return json.dumps(strict(obj), allow_nan=False, **kwargs)
+
+
 def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json_text(obj, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: Path) -> Any:

@@ -17,13 +17,14 @@ cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .cache import Cache, KVCache
+from .checks import NONNEGATIVE, NONNEGATIVE_INT, Range, token_tensor
 from .model import MoDTransformer
 from .precision import at_least_float32
 from .routing import Route, route_name
@@ -67,25 +68,29 @@ def _prompt_batch(
     device: torch.device,
 ) -> tuple[Tensor, Tensor]:
     """Right-padded (B, T) ids on `device` and host prompt lengths (B,)."""
+    cfg = model.config
     if isinstance(prompts, Tensor):
         if prompts.dim() != 2:
             raise ValueError(
                 f"a prompt tensor must be (batch, seq_len), got {tuple(prompts.shape)}"
             )
-        rows = prompts.tolist()
+        rows = token_tensor(prompts, cfg.vocab_size, "prompts").tolist()
+    elif isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
+        raise ValueError(
+            f"prompts must be a list of token-id lists or a (batch, seq_len) tensor, got "
+            f"{type(prompts).__name__} (encode text with the tokenizer first)"
+        )
     else:
-        rows = [list(p) for p in prompts]
+        rows = []
+        for b, p in enumerate(prompts):
+            if isinstance(p, str | bytes) or not isinstance(p, Iterable):
+                raise ValueError(f"prompt {b} must be a list of token ids, got {p!r}")
+            rows.append(token_tensor(list(p), cfg.vocab_size, f"prompt {b}").tolist())
     if not rows:
         raise ValueError("prompts is empty: give at least one prompt")
-    cfg = model.config
     for b, row in enumerate(rows):
         if not row:
             raise ValueError(f"prompt {b} is empty: each prompt needs at least one token")
-        bad = [t for t in row if not 0 <= int(t) < cfg.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt {b} has token id {bad[0]} out of range [0, vocab_size={cfg.vocab_size})"
-            )
         if len(row) + max_new_tokens > cfg.max_seq_len:
             raise ValueError(
                 f"prompt {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} that is "
@@ -101,12 +106,9 @@ def _prompt_batch(
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    NONNEGATIVE.check("temperature (0 is greedy)", temperature)
+    Range(lo=1, integer=True, optional=True).check("top_k", top_k)
+    Range(lo=0, hi=1, lo_open=True, optional=True).check("top_p", top_p)
 
 
 def sample_next(
@@ -194,8 +196,9 @@ class Generation:
     ) -> None:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill_mode!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        NONNEGATIVE_INT.check("max_new_tokens", max_new_tokens)
+        Range(integer=True, optional=True).check("seed", seed)
+        Range(integer=True, optional=True).check("eos_id", eos_id)
         _check_sampling(temperature, top_k, top_p)
         self.model, self.max_new_tokens, self.eos_id = model, max_new_tokens, eos_id
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)

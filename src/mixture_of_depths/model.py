@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import Cache, kv_hook
+from .checks import IGNORE_INDEX, check_targets, token_tensor
 from .config import LAYER_KINDS, MoDConfig
 from .layers import MLP, Attention, KVHook, LayerCost, Predictor, RMSNorm, price, rope_tables
 from .precision import at_least_float32
@@ -371,28 +372,20 @@ class MoDTransformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def check_input(self, idx: Tensor) -> None:
-        """Shape, dtype, length and token-range checks with clear messages."""
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (batch, seq_len), got {tuple(idx.shape)}")
-        if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
-            raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
-        B, T, V = idx.shape[0], idx.shape[1], self.config.vocab_size
+    def check_input(self, idx: Tensor) -> Tensor:
+        """Shape, length, dtype and id-range checks with clear messages (`checks.token_tensor`,
+        shared with `generate`); returns the ids as int64."""
+        if not isinstance(idx, Tensor) or idx.dim() != 2:
+            shape = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a tensor of shape (batch, seq_len), got {shape}")
+        B, T = idx.shape
         if B < 1:
             raise ValueError(f"batch size must be >= 1, got idx of shape {tuple(idx.shape)}")
         if T < 1 or T > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {T} is outside [1, max_seq_len={self.config.max_seq_len}]"
             )
-        if torch.compiler.is_compiling():  # a value check would break the graph
-            return
-        if idx.device.type == "cpu":
-            lo, hi = (int(v) for v in torch.aminmax(idx))
-            if lo < 0 or hi >= V:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} out of range: ids must be in [0, vocab_size={V})")
-        else:  # no host sync on accelerators: an async device assert instead
-            torch._assert_async(((idx >= 0) & (idx < V)).all(), f"token ids must be in [0, {V})")
+        return token_tensor(idx, self.config.vocab_size, "idx")
 
     def forward(
         self,
@@ -415,12 +408,15 @@ class MoDTransformer(nn.Module):
         """
         if routing not in ROUTING_CHOICES:
             raise ValueError(f"routing must be one of {ROUTING_CHOICES}, got {routing!r}")
-        self.check_input(idx)
-        if targets is not None and (targets.shape != idx.shape or last_only):
-            raise ValueError(
-                f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)} "
-                "(and logits of every token: last_only=False)"
-            )
+        idx = self.check_input(idx)
+        if targets is not None:
+            if not isinstance(targets, Tensor) or targets.shape != idx.shape or last_only:
+                shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets)
+                raise ValueError(
+                    f"targets shape {shape} must equal idx shape {tuple(idx.shape)} "
+                    "(and logits of every token: last_only=False)"
+                )
+            check_targets(targets, self.config.vocab_size)
         x_BTD = self.embed(idx)
         p = Pass.start(self.config, idx, routing, cache, lengths, x_BTD.dtype)
         routes: list[Route] = []
@@ -442,7 +438,7 @@ class MoDTransformer(nn.Module):
             out.lm_loss = F.cross_entropy(
                 logits.to(at_least_float32(logits.dtype)).flatten(0, 1),
                 targets.flatten(),
-                ignore_index=-100,
+                ignore_index=IGNORE_INDEX,
             )
             out.loss = out.lm_loss
             if out.aux_loss is not None:

@@ -26,7 +26,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .config import MoDConfig
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, json_text
 from .flops import estimate_flops
 from .train import TrainConfig, train
 
@@ -240,7 +240,7 @@ def study(
             bar.set_postfix_str(spec.name)
             row = run_one(spec, settings, work, data, progress)
             with results_path.open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
+                fh.write(json_text(row) + "\n")
             results.append(row)
             done.add(spec.name)
             bar.update(1)
@@ -303,7 +303,7 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
     atomic_write_text(
         out / "report.md", "\n".join([*intro, *format_findings(summary), "", *body]) + "\n"
     )
-    atomic_write_text(out / "findings.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "findings.json", json_text(summary, indent=1) + "\n")
     try:
         _plots(results, out)
     except Exception as exc:  # plots are a convenience; the results are already saved

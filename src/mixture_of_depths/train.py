@@ -15,7 +15,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +27,42 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import load_model, load_optimizer_state, resolve_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    corrupt,
+    load_model,
+    load_optimizer_state,
+    model_tensors,
+    nonfinite_tensors,
+    read_json_file,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from .checks import (
+    NONNEGATIVE,
+    NONNEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    UNIT,
+    Range,
+    check_choice,
+    check_fields,
+)
 from .config import MoDConfig
 from .data import BatchSampler, Tokenizer, eval_batches, load_splits, load_tokenizer
-from .fileio import atomic_write_text, read_json, write_json
+from .fileio import atomic_write_text, fsync_dir, json_text, write_json
 from .model import MoDOutput, MoDTransformer
 from .precision import autocast_for
 from .routing import routing_accuracy
+from .runlock import RunLock
 
 CHECKPOINT_NAME = "checkpoint"
+# What a run writes in its folder beside the checkpoint (removed by --overwrite).
+RUN_FILES = ("metrics.jsonl", "run.json", "summary.json", "loss.png")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite; nothing after it was saved."""
 
 
 @dataclass
@@ -61,21 +91,33 @@ class TrainConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "steps", "eval_every", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
-        if self.tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        check_fields(self, TRAIN_RANGES)
+        check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
+        for name in ("out", "device"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.data is not None and not isinstance(self.data, str):
+            raise ValueError(f"data must be a path (a string) or None, got {self.data!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")
+
+
+# The allowed range of every numeric field, checked in one place (`checks.check_fields`).
+TRAIN_RANGES: dict[str, Range] = {
+    **dict.fromkeys(
+        ("batch_size", "steps", "eval_every", "eval_batches", "log_every"), POSITIVE_INT
+    ),
+    "bpe_vocab_size": Range(lo=258, integer=True),  # the 256 bytes and the end-of-text token
+    "seq_len": Range(lo=1, integer=True, optional=True),
+    "warmup_steps": NONNEGATIVE_INT,
+    "seed": Range(lo=0, hi=2**63 - 1, integer=True),
+    "lr": POSITIVE,
+    "min_lr_ratio": UNIT,
+    "weight_decay": NONNEGATIVE,
+    "beta1": Range(lo=0, hi=1, hi_open=True),
+    "beta2": Range(lo=0, hi=1, hi_open=True),
+    "grad_clip": NONNEGATIVE,  # 0 disables clipping
+}
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -91,9 +133,34 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``"auto"`` (cuda if available, else cpu) or a device torch knows and can use here."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device {name!r} is not a device: use auto, cpu, cuda or cuda:N ({exc})"
+        ) from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "was built without CUDA" if torch.version.cuda is None else "sees no GPU"
+            raise ValueError(
+                f"device {name!r}: this torch ({torch.__version__}) {why}; use --device cpu "
+                "(or auto)"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r}: there are only {torch.cuda.device_count()} GPUs "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+            )
+        return dev
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
+    if backend is None or not getattr(backend, "is_available", lambda: False)():
+        raise ValueError(f"device {name!r} is not available here; use --device cpu (or auto)")
+    return dev
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
@@ -171,7 +238,7 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json_text(record) + "\n")
 
 
 def _step_of(line: str) -> int | None:
@@ -254,6 +321,11 @@ class _Run:
     predictor_params: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
     window_t: float = 0.0  # start of the current tokens/s window
     window_tokens: int = 0
+    saved_step: int = 0  # the step of the last checkpoint written (or resumed from)
+    # The first step whose loss or gradient norm was not finite (0: none yet) and those two
+    # values, kept on the device so that watching costs no host sync (`_check_finite` reads it).
+    bad_step: torch.Tensor | None = None
+    bad_values: torch.Tensor | None = None
 
     @property
     def ckpt_dir(self) -> Path:
@@ -268,33 +340,135 @@ class _Run:
         return self.tc.batch_size * self.seq_len
 
 
+def _has_checkpoint(out_dir: Path) -> bool:
+    try:
+        resolve_checkpoint(out_dir / CHECKPOINT_NAME)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+class NoCheckpointError(FileNotFoundError, ValueError):
+    """There is no checkpoint to resume (a missing file, and a bad request)."""
+
+
+def _no_checkpoint(out_dir: Path) -> NoCheckpointError:
+    """The one piece of advice for a folder whose run has no checkpoint to resume."""
+    if any((out_dir / name).exists() for name in RUN_FILES):
+        return NoCheckpointError(
+            f"{out_dir} holds a run that stopped before its first checkpoint, so there is "
+            "nothing to resume: start over (--overwrite) or pick another --out"
+        )
+    return NoCheckpointError(
+        f"there is no run in {out_dir} to resume: start one without --resume"
+    )
+
+
+def _check_out(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a folder: give a folder for the run")
+
+
+def _read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / "trainer.json"
+    state = read_json_file(path, ("step", "sampler", "train_config"))
+    step, sampler = state["step"], state["sampler"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise corrupt(path, f"'step' must be an integer >= 0, got {step!r}")
+    if not isinstance(sampler, dict) or not all(
+        isinstance(sampler.get(k), int) for k in ("seed", "step")
+    ):
+        raise corrupt(path, f"'sampler' must hold integer 'seed' and 'step', got {sampler!r}")
+    if not isinstance(state["train_config"], dict):
+        raise corrupt(path, "'train_config' must be an object")
+    return state
+
+
+def resume_config(out: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The `TrainConfig` of the run in `out`, as its checkpoint saved it, with `overrides` (for
+    `--resume`: settings that may change, such as `steps`, and those that must not, which
+    `train` then refuses with the list of differences)."""
+    out_dir = Path(out)
+    _check_out(out_dir)
+    if not _has_checkpoint(out_dir):
+        raise _no_checkpoint(out_dir)
+    ckpt = resolve_checkpoint(out_dir / CHECKPOINT_NAME)
+    saved = _read_trainer_state(ckpt)["train_config"]
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        return TrainConfig(**{k: v for k, v in saved.items() if k in known}, **(overrides or {}))
+    except (ValueError, TypeError) as exc:
+        if overrides and any(k in str(exc) for k in overrides):
+            raise
+        raise corrupt(ckpt / "trainer.json", f"its train_config is invalid: {exc}") from None
+
+
 def _load_resume(tc: TrainConfig) -> tuple[Path, dict[str, Any]]:
     """The checkpoint to resume from and its trainer state, checked against `tc`."""
-    ckpt = resolve_checkpoint(Path(tc.out) / CHECKPOINT_NAME)
-    trainer_state = read_json(ckpt / "trainer.json")
-    for key in ("step", "sampler", "train_config"):
-        if key not in trainer_state:
-            raise ValueError(f"{ckpt / 'trainer.json'} has no {key!r}: cannot resume exactly")
+    out_dir = Path(tc.out)
+    if not _has_checkpoint(out_dir):
+        raise _no_checkpoint(out_dir)
+    ckpt = resolve_checkpoint(out_dir / CHECKPOINT_NAME)
+    trainer_state = _read_trainer_state(ckpt)
     _check_resume_config(trainer_state["train_config"], tc)
+    if tc.steps < trainer_state["step"]:
+        raise ValueError(
+            f"--steps {tc.steps} is less than the checkpoint's step {trainer_state['step']}: a "
+            f"resumed run trains on to --steps, so give --steps >= {trainer_state['step']} "
+            "(to measure the checkpoint as it is, use mod eval)"
+        )
     return ckpt, trainer_state
 
 
+def _clear_run(out_dir: Path) -> None:
+    """Delete the run in `out_dir` (--overwrite), checkpoint first: its files are moved into
+    one trash folder by atomic renames and that folder is then removed, so a kill at any moment
+    leaves no checkpoint of the old run for a later --resume to continue under the new run's
+    settings (a trash folder left by a kill goes with the next start's stale temporaries)."""
+    trash = Path(tempfile.mkdtemp(dir=out_dir, prefix=".overwritten.", suffix=".tmp"))
+    for name in (CHECKPOINT_NAME, f".{CHECKPOINT_NAME}.old", *RUN_FILES):
+        if (out_dir / name).exists() or (out_dir / name).is_symlink():
+            os.replace(out_dir / name, trash / name.lstrip("."))
+    fsync_dir(out_dir)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_stale_temps(out_dir: Path) -> None:
+    """Temporary files and folders of writes a crash cut short (``.<name>.*.tmp``): a checkpoint
+    copy, a log being rewritten, an --overwrite's trash. Only under the run's lock."""
+    for tmp in out_dir.glob(".*.tmp"):
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
 def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwrite: bool) -> _Run:
-    """Set up a new run, or restore one exactly from its checkpoint (`resume`)."""
+    """Set up a new run, or restore one exactly from its checkpoint (`resume`). The caller holds
+    the folder's lock."""
     out_dir = Path(tc.out)
     device = resolve_device(tc.device)
+    _remove_stale_temps(out_dir)
     ckpt, trainer_state, tokenizer = None, None, None
     if resume:
         ckpt, trainer_state = _load_resume(tc)
         model, model_config = load_model(ckpt, map_location=device)
+        bad = nonfinite_tensors(model_tensors(model))
+        if bad:
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds weights that are NaN or infinite ({', '.join(bad[:3])}): "
+                "it was written by a run that diverged. Start over (--overwrite) with a lower --lr"
+            )
         tokenizer = load_tokenizer(ckpt)
-    elif not overwrite and (
-        (out_dir / CHECKPOINT_NAME / "config.json").exists() or (out_dir / "metrics.jsonl").exists()
-    ):
+    elif _has_checkpoint(out_dir) and not overwrite:
         raise ValueError(
-            f"{out_dir} already holds a run: resume it (--resume), start over (--overwrite), "
-            "or pick another --out"
+            f"{out_dir} already holds a run with a checkpoint: resume it (--resume), start over "
+            "(--overwrite), or pick another --out"
         )
+    elif any((out_dir / name).exists() for name in RUN_FILES) and not overwrite:
+        raise _no_checkpoint(out_dir)
+    elif overwrite:
+        _clear_run(out_dir)
     torch.manual_seed(tc.seed)
     train_tokens, val_tokens, tokenizer = _prepare_data(tc, tokenizer)
     fingerprint = stream_fingerprint(train_tokens)
@@ -327,7 +501,12 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
         opt_state = load_optimizer_state(ckpt)
         if opt_state is None:
             raise ValueError(f"{ckpt} has no optimizer state: cannot resume exactly")
-        opt.load_state_dict(opt_state)
+        try:
+            opt.load_state_dict(opt_state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise corrupt(
+                ckpt / "optimizer.safetensors", f"it does not fit the model ({exc!r})"
+            ) from None
         sampler.load_state_dict(trainer_state["sampler"])
     try:
         val = eval_batches(val_tokens, tc.batch_size, seq_len, tc.eval_batches)
@@ -357,6 +536,9 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
         start_step=start_step,
         elapsed=float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0,
         step_fn=torch.compile(model) if tc.compile else model,
+        saved_step=start_step,
+        bad_step=torch.zeros((), dtype=torch.int64, device=device),
+        bad_values=torch.zeros(2, device=device),
     )
     # The predictor is clipped on its own: its gradient must not rescale the LM's update.
     for name, param in model.named_parameters():
@@ -381,10 +563,40 @@ def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
     grad_norm = torch.nn.utils.clip_grad_norm_(run.lm_params, max_norm)
     if run.predictor_params:
         torch.nn.utils.clip_grad_norm_(run.predictor_params, max_norm)
+    _watch_finite(run, step + 1, out.loss, grad_norm)
     run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     run.window_tokens += run.tokens_per_step
     return out, grad_norm, lr
+
+
+def _watch_finite(run: _Run, done: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    """Remember the first step whose loss or gradient norm is not finite: device ops only, no
+    host sync, so accelerators run ahead; `_check_finite` looks at log and eval boundaries."""
+    values = torch.stack([loss.detach().float(), grad_norm.detach().float()])
+    first = (run.bad_step == 0) & ~torch.isfinite(values).all()
+    run.bad_step = torch.where(first, done, run.bad_step)
+    run.bad_values = torch.where(first, values, run.bad_values)
+
+
+def _check_finite(run: _Run, done: int) -> None:
+    """Stop the run if a step since the last look had a non-finite loss or gradient norm: the
+    weights after it are garbage and must never reach a checkpoint (the last good one stays)."""
+    bad = int(run.bad_step)  # the host sync, once per log or eval boundary
+    if not bad:
+        return
+    loss, grad_norm = run.bad_values.tolist()
+    if run.saved_step:
+        kept = f"the checkpoint in {run.ckpt_dir} (step {run.saved_step}) is the last good one"
+    else:
+        kept = f"no checkpoint was written (the first would have come at step {run.tc.eval_every})"
+    msg = (
+        f"training diverged at step {bad}: loss {loss}, gradient norm {grad_norm} (learning rate "
+        f"{lr_at(bad - 1, run.tc):.3g}); stopped at step {done} and saved nothing after it: "
+        f"{kept}. Lower --lr or lengthen --warmup-steps, and start over (--overwrite)"
+    )
+    run.log.write({"step": bad, "diverged": msg})
+    raise TrainingDiverged(msg)
 
 
 def _log_step(
@@ -419,6 +631,15 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
     is kept out of the tokens/s window."""
     t0 = time.perf_counter()
     ev = evaluate(run.model, run.val, run.device)
+    losses = (ev["val_loss_topk"], ev["val_loss_causal"])
+    if not all(math.isfinite(v) for v in losses):
+        msg = (
+            f"validation loss is not finite at step {done} (top-k {losses[0]}, causal "
+            f"{losses[1]}) although training's was: no checkpoint written; the last good one "
+            f"is step {run.saved_step} in {run.ckpt_dir}"
+        )
+        run.log.write({"step": done, "diverged": msg})
+        raise TrainingDiverged(msg)
     run.log.write({"step": done, **ev})
     bar.write(format_eval(done, ev))
     save_checkpoint(
@@ -435,6 +656,7 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
             "train_config": dataclasses.asdict(run.tc),
         },
     )
+    run.saved_step = done
     run.window_t += time.perf_counter() - t0
     return ev
 
@@ -472,11 +694,22 @@ def train(
 ) -> dict[str, Any]:
     """Train (or resume) and return a summary. With `resume`, `model_config` may be None.
 
-    A new run refuses an `out` that already holds a checkpoint unless `overwrite`. On the CPU a
-    resumed run reproduces an uninterrupted one bit for bit; on CUDA, nondeterministic kernels
-    (flash-attention backward, index_add) make even two uninterrupted runs differ slightly.
+    A new run refuses an `out` that already holds a run unless `overwrite`, which deletes that
+    run first. One run per folder: a lock (`runlock.RunLock`) refuses a second process. A loss or
+    gradient norm that is not finite stops the run with `TrainingDiverged` at the next log or
+    eval boundary, before anything after it is saved. On the CPU a resumed run reproduces an
+    uninterrupted one bit for bit; on CUDA, nondeterministic kernels (flash-attention backward,
+    index_add) make even two uninterrupted runs differ slightly.
     """
-    run = _start(model_config, tc, resume, overwrite)
+    out_dir = Path(tc.out)
+    _check_out(out_dir)
+    with RunLock(out_dir):
+        run = _start(model_config, tc, resume, overwrite)
+        return _train_loop(run, progress)
+
+
+def _train_loop(run: _Run, progress: bool) -> dict[str, Any]:
+    tc = run.tc
     last_eval: dict[str, Any] = {}
     bar = tqdm(
         total=tc.steps,
@@ -488,16 +721,20 @@ def train(
         # In a log file (CI, nohup) a redraw every 0.1 s is noise: one line every 30 s instead.
         mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
-    run.window_t = time.perf_counter()
-    for step in range(run.start_step, tc.steps):
-        out, grad_norm, lr = _train_step(run, step)
-        done = step + 1
-        if done % tc.log_every == 0 or done == tc.steps:
-            _log_step(run, done, out, grad_norm, lr, bar)
-        bar.update(1)
-        if done % tc.eval_every == 0 or done == tc.steps:
-            last_eval = _evaluate_and_save(run, done, bar)
-    bar.close()
+    try:
+        run.window_t = time.perf_counter()
+        for step in range(run.start_step, tc.steps):
+            out, grad_norm, lr = _train_step(run, step)
+            done = step + 1
+            if done % tc.log_every == 0 or done == tc.steps:
+                _check_finite(run, done)
+                _log_step(run, done, out, grad_norm, lr, bar)
+            bar.update(1)
+            if done % tc.eval_every == 0 or done == tc.steps:
+                _check_finite(run, done)
+                last_eval = _evaluate_and_save(run, done, bar)
+    finally:
+        bar.close()
     if not last_eval:  # resumed at the final step: nothing left to train
         last_eval = evaluate(run.model, run.val, run.device)
     return _finish(run, last_eval)
@@ -589,8 +826,8 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
-    fig.savefig(tmp)
+    tmp = png_path.with_name(f".{png_path.name}.tmp")  # a kill leaves it for the next start
+    fig.savefig(tmp, format="png")
     plt.close(fig)
     tmp.replace(png_path)
 
@@ -602,20 +839,32 @@ def evaluate_checkpoint(
     batch_size: int | None = None,
     device: str = "auto",
 ) -> dict[str, Any]:
-    """`mod eval`: validation loss in both modes and routing accuracy of a saved model."""
+    """`mod eval`: validation loss in both modes and routing accuracy of a saved model.
+
+    `n_batches` / `batch_size` None: the run's own (from the checkpoint), so the numbers match
+    its last evaluation; a given value must be >= 1.
+    """
+    for name, value in (("n_batches", n_batches), ("batch_size", batch_size)):
+        Range(lo=1, integer=True, optional=True).check(name, value)
     dev = resolve_device(device)
     ckpt = resolve_checkpoint(checkpoint)
     model, cfg = load_model(ckpt, map_location=dev)
     tokenizer = load_tokenizer(ckpt)
     # Evaluate as the run did: its data and its sequence length (k = floor(capacity * T)).
-    saved = {}
+    saved: dict[str, Any] = {}
     if (ckpt / "trainer.json").exists():
-        saved = read_json(ckpt / "trainer.json").get("train_config", {})
-    if data is None:
-        data = saved.get("data")
-    seq_len = saved.get("seq_len") or cfg.max_seq_len
-    batch_size = batch_size or saved.get("batch_size") or TrainConfig.batch_size
-    n_batches = n_batches or saved.get("eval_batches") or TrainConfig.eval_batches
+        saved = read_json_file(ckpt / "trainer.json").get("train_config", {})
+        if not isinstance(saved, dict):
+            raise corrupt(ckpt / "trainer.json", "'train_config' must be an object")
+
+    def run_setting(name: str, given: Any, default: Any) -> Any:
+        value = given if given is not None else saved.get(name)
+        return default if value is None else value
+
+    data = run_setting("data", data, None)
+    seq_len = run_setting("seq_len", None, cfg.max_seq_len)
+    batch_size = run_setting("batch_size", batch_size, TrainConfig.batch_size)
+    n_batches = run_setting("eval_batches", n_batches, TrainConfig.eval_batches)
     _, val_tokens, _ = load_splits(data, tokenizer)
     batches = eval_batches(val_tokens, batch_size, seq_len, n_batches)
     return {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}

@@ -48,7 +48,6 @@ The last line printed is one JSON object with every number, for scripts.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +57,7 @@ from torch import Tensor
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.cache import KVCache
+from mixture_of_depths.fileio import json_text
 from mixture_of_depths.flops import decode_cost, layer_shares
 from mixture_of_depths.generate import decode_step, prefill, router_names, sample_next
 from mixture_of_depths.routing import calibrate_predictors
@@ -540,7 +540,7 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
         "wall_s": wall,
     }
     if json_line:
-        print(json.dumps(result))
+        print(json_text(result))
     return result
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..config import MoDConfig
+from ..fileio import json_text
 from ..model import MoDTransformer
 from ..precision import autocast_for
 
@@ -124,4 +125,4 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(int(os.environ.get("MOD_BENCH_THREADS", "1")))
     args = (spec["config"], spec["batch_size"], spec["seq_len"], spec["device"])
-    print(json.dumps(measure(*args, spec.get("dtype", "float32"))))
+    print(json_text(measure(*args, spec.get("dtype", "float32"))))

@@ -43,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import MoDConfig
+from ..fileio import json_text
 from ..flops import estimate_flops
 from ..layers import rope_tables
 from ..model import BLOCKS, Block, MoDTransformer, Pass
@@ -738,7 +739,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "absolute numbers are noisy, ratios less so"
         )
     print(f"({result['wall_s']:.0f} s)")
-    print(json.dumps(result))
+    print(json_text(result))
     return result
 
 

@@ -1,0 +1,159 @@
+"""One run per folder: a lock file held for the whole of a training run.
+
+``<out>/run.lock`` holds the owner's host, PID and process start time, and the process holds an
+exclusive `flock` on it while it trains. A second `mod train` on the same folder is refused with
+the owner's name. A lock left by a process that was killed (kill -9, a crash, a reboot) is stale
+and taken over: the kernel drops the flock with the process, and the PID no longer names a live
+process started at that time. A lock written on another host (a shared filesystem) cannot be
+checked from here; the refusal says so and how to clear it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: the PID check alone
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_NAME = "run.lock"
+
+
+class RunLockedError(RuntimeError):
+    """Another live process is training in this folder."""
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (Linux: clock ticks since boot), to tell a reused PID apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name in (...) may hold spaces
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        pass
+    now = _start_time(pid)
+    return start is None or now is None or now == start
+
+
+def _owner() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start": _start_time(os.getpid()),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+
+
+def _describe(info: dict[str, Any]) -> str:
+    return f"process {info.get('pid')} on host {info.get('host')} (since {info.get('since')})"
+
+
+class RunLock:
+    """Hold ``<folder>/run.lock`` for a run: ``with RunLock(folder): ...``.
+
+    Raises `RunLockedError` when a live process holds it. Released on exit (the file is removed);
+    a killed owner leaves a stale file that the next run takes over.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.path = Path(folder) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(10):  # a retry only when another process removed the file under us
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if not self._flock(fd):
+                    raise RunLockedError(self._refusal(self._read(fd), held=True))
+                # The owner may have released (unlinked) the file between our open and flock:
+                # then we hold a lock on a file nobody else will see. Retry on the new one.
+                try:
+                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    os.close(fd)
+                    continue
+                info = self._read(fd)
+                if info and not self._stale(info):
+                    raise RunLockedError(self._refusal(info, held=False))
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(_owner()) + "\n").encode(), 0)
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            return self
+        raise RunLockedError(f"could not take {self.path}: it keeps changing hands")
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still holding the flock: see acquire
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @staticmethod
+    def _flock(fd: int) -> bool:
+        if fcntl is None:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:  # a filesystem without flock: the PID check still stands
+            return True
+        return True
+
+    @staticmethod
+    def _read(fd: int) -> dict[str, Any]:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (ValueError, UnicodeDecodeError):
+            return {}  # half-written by a process killed while writing it: stale
+        return info if isinstance(info, dict) else {}
+
+    @staticmethod
+    def _stale(info: dict[str, Any]) -> bool:
+        if info.get("host") != socket.gethostname():
+            return False  # cannot check a process on another host
+        pid = info.get("pid")
+        if not isinstance(pid, int) or pid == os.getpid():
+            return True
+        return not _alive(pid, info.get("start"))
+
+    def _refusal(self, info: dict[str, Any], held: bool) -> str:
+        owner = _describe(info) if info else "another process"
+        msg = f"{self.path.parent} is in use: {owner} is training there (lock {self.path})."
+        if not held and info.get("host") != socket.gethostname():
+            msg += (
+                " That host cannot be checked from here: if no run is alive there, delete the "
+                "lock file and try again."
+            )
+        else:
+            msg += " Wait for it to finish or stop it, or pick another --out."
+        return msg
