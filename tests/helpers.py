@@ -3,11 +3,15 @@ reference.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from reference import randomise
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.routing import calibrate_predictors
+from mixture_of_depths.train import TrainConfig
 
 V = 61  # vocabulary of the test models
 
@@ -74,3 +78,38 @@ def unit_gates(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(
         "mixture_of_depths.model.gate", lambda cfg, r, like: torch.ones_like(r, dtype=like.dtype)
     )
+
+
+# -- training runs ---------------------------------------------------------------------------------
+TINY = dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=32, predictor_hidden=8)
+
+
+def write_corpus(d: Path) -> Path:
+    """Twelve small files of Python-like words: enough for tiny runs' train and val splits."""
+    d.mkdir(parents=True, exist_ok=True)
+    rng = torch.Generator().manual_seed(0)
+    words = "def return self import class for in if else x y ( )".split()
+    for i in range(12):
+        idx = torch.randint(0, len(words), (400,), generator=rng).tolist()
+        (d / f"f{i:02d}.py").write_text(" ".join(words[j] for j in idx) + "\n")
+    return d
+
+
+def tc(corpus: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(
+        out=str(out),
+        data=str(corpus),
+        batch_size=4,
+        steps=6,
+        eval_every=3,
+        eval_batches=2,
+        log_every=1,
+        warmup_steps=2,
+        lr=3e-3,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}

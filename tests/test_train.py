@@ -9,47 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY, losses, tc
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.cli import main
 from mixture_of_depths.data import ByteTokenizer
 from mixture_of_depths.train import TrainConfig, lr_at, train
-
-TINY = dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=32, predictor_hidden=8)
-
-
-@pytest.fixture()
-def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("MOD_CACHE_DIR", str(tmp_path / "cache"))
-    d = tmp_path / "corpus"
-    d.mkdir()
-    rng = torch.Generator().manual_seed(0)
-    words = "def return self import class for in if else x y ( )".split()
-    for i in range(12):
-        idx = torch.randint(0, len(words), (400,), generator=rng).tolist()
-        (d / f"f{i:02d}.py").write_text(" ".join(words[j] for j in idx) + "\n")
-    return d
-
-
-def tc(corpus: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(
-        out=str(out),
-        data=str(corpus),
-        batch_size=4,
-        steps=6,
-        eval_every=3,
-        eval_batches=2,
-        log_every=1,
-        warmup_steps=2,
-        lr=3e-3,
-    )
-    return TrainConfig(**{**base, **kw})
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 @pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])

@@ -32,8 +32,8 @@ class Range:
     def describe(self) -> str:
         """E.g. "in (0, 1]", "a finite number > 0", "a positive integer"."""
         none = " or None" if self.optional else ""
-        lo = None if self.lo is None else f"{self.lo:g}"
-        hi = None if self.hi is None else f"{self.hi:g}"
+        lo = None if self.lo is None else f"{self.lo:,}" if self.integer else f"{self.lo:g}"
+        hi = None if self.hi is None else f"{self.hi:,}" if self.integer else f"{self.hi:g}"
         if self.integer and self.lo == 1 and hi is None:
             return "a positive integer" + none
         if lo is not None and hi is not None:

@@ -7,7 +7,6 @@ import dataclasses
 import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 from .config import PRESETS, MoDConfig
@@ -207,23 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, format_summary, train
+    from .train import TrainConfig, format_summary, resume_config, train
 
     model_over = _given(args, MoDConfig)
     train_over = _given(args, TrainConfig)
     if args.resume:
-        from .checkpoint import resolve_checkpoint
-        from .fileio import read_json
-
-        out = train_over.get("out", TrainConfig.out)
-        ckpt = resolve_checkpoint(Path(out) / "checkpoint")
         if model_over or args.preset:
             print(
                 "note: --resume takes the model from the checkpoint; model flags are ignored",
                 file=sys.stderr,
             )
-        saved = read_json(ckpt / "trainer.json")["train_config"]
-        tc = TrainConfig(**{**saved, **train_over})
+        tc = resume_config(train_over.get("out", TrainConfig.out), train_over)
         summary = train(None, tc, resume=True, progress=not args.no_progress)
     else:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
@@ -397,15 +390,14 @@ def cmd_flops(args: argparse.Namespace) -> int:
     from .flops import estimate_flops, format_report
 
     if args.checkpoint is not None:
-        from .checkpoint import resolve_checkpoint
-        from .fileio import read_json
+        from .checkpoint import load_config
 
-        cfg = MoDConfig.from_dict(read_json(resolve_checkpoint(args.checkpoint) / "config.json"))
+        cfg = load_config(args.checkpoint)
     else:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **_given(args, MoDConfig))
     report = estimate_flops(
         cfg,
-        args.seq_len or cfg.max_seq_len,
+        cfg.max_seq_len if args.seq_len is None else args.seq_len,
         args.batch_size,
         take_rate=args.take_rate,
         decode_context=args.decode_context,
@@ -474,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # our errors say what to do
         print(f"mod {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -321,16 +321,22 @@ def load_tokenizer(directory: Path) -> Tokenizer:
     path = directory if directory.is_file() else directory / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer file at {path}")
-    text = path.read_text(encoding="utf-8")
     try:
+        text = path.read_text(encoding="utf-8")
         spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"tokenizer file {path} is not valid JSON: {e}") from e
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"tokenizer file {path} is corrupt or not a tokenizer: {e}") from None
     if isinstance(spec, dict) and spec.get("type") == "byte":
         return ByteTokenizer()
     if isinstance(spec, dict) and "model" in spec:
-        return BPETokenizer.from_str(text)
-    raise ValueError(f"tokenizer file {path} is neither a byte nor a tokenizers-native tokenizer")
+        try:
+            return BPETokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises its own plain Exception
+            raise ValueError(f"tokenizer file {path} is corrupt or not a tokenizer: {e}") from None
+    raise ValueError(
+        f"tokenizer file {path} is corrupt or not a tokenizer: neither a byte nor a "
+        "tokenizers-native tokenizer"
+    )
 
 
 def make_tokenizer(

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .checks import POSITIVE_INT, Range
 from .config import LAYER_KINDS, MoDConfig
 from .layers import Attention
 from .model import BLOCKS
@@ -153,8 +154,9 @@ def estimate_flops(
     `seq_len`). `bytes_per_element`: of the KV cache (2 for bf16). With `with_dense`, the dense
     twin's report is attached as `.dense`.
     """
-    if seq_len < 1 or batch_size < 1:
-        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+    POSITIVE_INT.check("seq_len", seq_len)
+    POSITIVE_INT.check("batch_size", batch_size)
+    Range(lo=1, integer=True, optional=True).check("decode_context", decode_context)
     cfg, B, T = config, batch_size, seq_len
     takes = _take_rates(cfg, take_rate)
     context = seq_len if decode_context is None else decode_context

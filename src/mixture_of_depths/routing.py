@@ -165,8 +165,7 @@ def calibrate_predictors(model: nn.Module, idx: Tensor, take: float) -> list[flo
     """
     if model.config.causal_router != "predictor":
         raise ValueError(
-            "calibrating needs causal_router='predictor', got "
-            f"{model.config.causal_router!r}"
+            f"calibrating needs causal_router='predictor', got {model.config.causal_router!r}"
         )
     if not 0 < take < 1:
         raise ValueError(f"take must be in (0, 1), got {take}")

@@ -79,7 +79,13 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 if not self._flock(fd):
-                    raise RunLockedError(self._refusal(self._read(fd), held=True))
+                    info = self._read(fd)
+                    for _ in range(40):  # the owner may be between its flock and its write
+                        if info:
+                            break
+                        time.sleep(0.025)
+                        info = self._read(fd)
+                    raise RunLockedError(self._refusal(info, held=True))
                 # The owner may have released (unlinked) the file between our open and flock:
                 # then we hold a lock on a file nobody else will see. Retry on the new one.
                 try:

@@ -75,7 +75,7 @@ class TrainConfig:
     bpe_vocab_size: int = 4096
     batch_size: int = 16
     seq_len: int | None = None  # None: the model's max_seq_len
-    steps: int = 800
+    steps: int = 600
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -107,7 +107,7 @@ TRAIN_RANGES: dict[str, Range] = {
     **dict.fromkeys(
         ("batch_size", "steps", "eval_every", "eval_batches", "log_every"), POSITIVE_INT
     ),
-    "bpe_vocab_size": Range(lo=258, integer=True),  # the 256 bytes and the end-of-text token
+    "bpe_vocab_size": Range(lo=257, integer=True),  # the 256 bytes and the end-of-text token
     "seq_len": Range(lo=1, integer=True, optional=True),
     "warmup_steps": NONNEGATIVE_INT,
     "seed": Range(lo=0, hi=2**63 - 1, integer=True),
@@ -359,9 +359,7 @@ def _no_checkpoint(out_dir: Path) -> NoCheckpointError:
             f"{out_dir} holds a run that stopped before its first checkpoint, so there is "
             "nothing to resume: start over (--overwrite) or pick another --out"
         )
-    return NoCheckpointError(
-        f"there is no run in {out_dir} to resume: start one without --resume"
-    )
+    return NoCheckpointError(f"there is no run in {out_dir} to resume: start one without --resume")
 
 
 def _check_out(out_dir: Path) -> None:
@@ -390,13 +388,17 @@ def resume_config(out: str | Path, overrides: dict[str, Any] | None = None) -> T
     `train` then refuses with the list of differences)."""
     out_dir = Path(out)
     _check_out(out_dir)
+    if out_dir.is_dir():  # a run in progress there is the first thing to say
+        RunLock(out_dir).acquire().release()
     if not _has_checkpoint(out_dir):
         raise _no_checkpoint(out_dir)
     ckpt = resolve_checkpoint(out_dir / CHECKPOINT_NAME)
     saved = _read_trainer_state(ckpt)["train_config"]
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
-        return TrainConfig(**{k: v for k, v in saved.items() if k in known}, **(overrides or {}))
+        return TrainConfig(
+            **{**{k: v for k, v in saved.items() if k in known}, **(overrides or {})}
+        )
     except (ValueError, TypeError) as exc:
         if overrides and any(k in str(exc) for k in overrides):
             raise

@@ -1,0 +1,77 @@
+"""Run `mod ARGS...` and SIGKILL this process at a chosen point: the fault-injection suite's runner.
+
+    python crash.py POINT N mod-args...
+
+POINT is where the N-th event kills the process (kill -9: no cleanup handler runs, as with an OOM
+kill or a lost machine):
+
+- ``log``: right after the N-th training log line is written (between checkpoints);
+- ``tensors``: inside a checkpoint write, after the N-th safetensors file went into the
+  temporary folder (the model file; N+1 is the optimizer's);
+- ``swap``: inside a checkpoint write, between its two renames (the N-th time the old checkpoint
+  was moved aside and the new one is not yet in place);
+- ``trash``: inside ``--overwrite``, after the old run's first file (its checkpoint) went into the
+  trash folder and before the rest;
+- ``none``: no fault (the uninterrupted reference run, started the same way).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    point, n, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    import mixture_of_depths.checkpoint as ck
+    import mixture_of_depths.train as tr
+    from mixture_of_depths.cli import main as mod
+
+    count = 0
+
+    def hit() -> bool:
+        nonlocal count
+        count += 1
+        return count == n
+
+    if point == "log":
+        real_write = tr.MetricsLog.write
+
+        def write(self, record):  # noqa: ANN001, ANN202
+            real_write(self, record)
+            if "lm_loss" in record and hit():
+                die()
+
+        tr.MetricsLog.write = write
+    elif point == "tensors":
+        real_save = ck.atomic_save_tensors
+
+        def save(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            real_save(*a, **kw)
+            if hit():
+                die()
+
+        ck.atomic_save_tensors = save
+    elif point in ("swap", "trash"):
+        real_replace = os.replace
+        target = ".checkpoint.old" if point == "swap" else "checkpoint"
+
+        def replace(src, dst):  # noqa: ANN001, ANN202
+            real_replace(src, dst)
+            if os.path.basename(dst) == target and (point == "swap" or ".overwritten." in str(dst)):
+                if hit():
+                    die()
+
+        os.replace = replace
+    elif point != "none":
+        raise SystemExit(f"unknown fault point {point!r}")
+    return mod(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
