@@ -32,7 +32,7 @@ def test_every_failure_in_the_reliability_page_cites_an_existing_test():
     rows = re.findall(r"^\| (\d+) \|.*$", text, re.M)
     assert sorted(map(int, rows)) == list(range(1, 11))  # the ten items of the issue
     rows = [r for r in text.splitlines() if re.match(r"\| \d+ \|", r)]
-    assert and all("`test_" in r for r in rows)  # each item names its test
+    assert all("`test_" in r for r in rows)  # each item names its test
     assert cited <= _defined_tests(), sorted(cited - _defined_tests())
 
 
