@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from mixture_of_depths import MoDConfig, MoDTransformer, generate
 from mixture_of_depths.checkpoint import CheckpointError, save_checkpoint
 from mixture_of_depths.cli import main
-from mixture_of_depths.runlock import LOCK_NAME, RunLock, RunLockedError, _start_time
+from mixture_of_depths.runlock import LOCK_NAME, RunLock, RunLockedError, _boot_id, _start_time
 from mixture_of_depths.train import TrainConfig, TrainingDiverged, train
 
 CRASH = Path(__file__).with_name("crash.py")
@@ -185,6 +185,31 @@ def test_overwrite_removes_the_old_run_before_anything_else(shared, capsys, monk
     assert advice in capsys.readouterr().err
 
 
+def test_overwrite_deletes_nothing_when_the_new_run_is_refused(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train(MoDConfig(**TINY), tc(corpus, out, steps=3), progress=False)
+    before = _digest(out / "checkpoint")
+    with pytest.raises(ValueError, match="seq_len 64 exceeds"):
+        train(MoDConfig(**TINY), tc(corpus, out, seq_len=64), overwrite=True, progress=False)
+    with pytest.raises(FileNotFoundError):
+        train(MoDConfig(**TINY), tc(tmp_path / "no-data", out), overwrite=True, progress=False)
+    assert _digest(out / "checkpoint") == before and (out / "summary.json").exists()
+    # Both checkpoint and .checkpoint.old (a crash after a write's second rename): a crash
+    # inside --overwrite must not leave the older one alone for --resume to find.
+    shutil.copytree(out / "checkpoint", out / ".checkpoint.old")
+    real_replace = os.replace
+
+    def replace(src, dst):  # noqa: ANN001, ANN202
+        real_replace(src, dst)
+        raise Crash
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Crash):
+        train(MoDConfig(**TINY), tc(corpus, out), overwrite=True, progress=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not (out / ".checkpoint.old").exists() and _digest(out / "checkpoint") == before
+
+
 # -- one run per folder ---------------------------------------------------------------------------
 def test_a_second_run_on_a_folder_is_refused_and_a_killed_owner_does_not_block(shared, capsys):
     corpus, out = shared["corpus"], shared["root"] / "concurrent"
@@ -234,6 +259,14 @@ def test_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
         RunLock(tmp_path).acquire()
     (tmp_path / LOCK_NAME).write_text('{"host": ')  # cut short by a kill while written: stale
     RunLock(tmp_path).acquire().release()
+    boot = _boot_id()
+    if boot is not None:  # Linux: a container restarted under a new hostname, same machine
+        dead = {"host": "old-container", "boot": boot, "pid": sleeper.pid, "start": live["start"]}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(dead))
+        RunLock(tmp_path).acquire().release()
+        rebooted = {**live, "boot": "an-earlier-boot", "pid": os.getppid()}  # a live PID now
+        (tmp_path / LOCK_NAME).write_text(json.dumps(rebooted))
+        RunLock(tmp_path).acquire().release()
 
 
 # -- divergence -----------------------------------------------------------------------------------
@@ -504,6 +537,7 @@ def test_bad_places_are_clear_errors(corpus, tmp_path, capsys):
     assert "there is no run in" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "r"), "--device", "tpu9", "--steps", "1"]) == 2
     assert "device 'tpu9'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # refused before anything was created
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -547,11 +581,40 @@ def test_targets_are_checked():
         model(ids, torch.full_like(ids, -100))
     with pytest.raises(ValueError, match="integer token ids"):
         model(ids, ids.float())
+    assert torch.equal(model(ids, ids.to(torch.int32)).loss, model(ids, ids).loss)  # widened
     # -100 ignores a position: the loss equals the mean over the others.
     t = torch.tensor([[7, 11, -100, 4]])
     out = model(ids, t)
     per_token = F.cross_entropy(out.logits[0], t[0].clamp(min=0), reduction="none")
     assert torch.allclose(out.lm_loss, per_token[[0, 1, 3]].mean())
+
+
+def test_the_watch_sees_the_predictor_gradient_too():
+    from types import SimpleNamespace
+
+    import mixture_of_depths.train as tr
+
+    run = SimpleNamespace(bad_step=torch.zeros((), dtype=torch.int64), bad_values=torch.zeros(3))
+    one = torch.tensor(1.0)
+    tr._watch_finite(run, 1, one, one, one)
+    assert int(run.bad_step) == 0
+    tr._watch_finite(run, 2, one, one, one * float("inf"))  # only the predictor's norm
+    tr._watch_finite(run, 3, one * float("nan"), one, one)  # the first bad step is kept
+    assert int(run.bad_step) == 2 and run.bad_values.tolist() == [1.0, 1.0, float("inf")]
+
+
+def test_seeds_keep_their_whole_range():
+    for seed in (-1, 0, 2**63, 2**64 - 1):
+        assert TrainConfig(seed=seed).seed == seed
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        TrainConfig(seed=1.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_on_cuda_checks_and_saves_its_checkpoints(corpus, tmp_path):
+    """Weights on the GPU, AdamW step counts on the CPU: the finiteness check handles both."""
+    summary = train(MoDConfig(**TINY), tc(corpus, tmp_path / "r", device="cuda"), progress=False)
+    assert summary["steps"] == 6 and (tmp_path / "r" / "checkpoint" / "model.safetensors").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -563,7 +626,7 @@ def test_divergence_watch_has_no_host_sync_cuda(corpus, tmp_path):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tr._watch_finite(run, 1, loss, loss * float("nan"))
+        tr._watch_finite(run, 1, loss, loss * float("nan"), loss)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(run.bad_step) == 1

@@ -72,11 +72,15 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an infinity."""
-    names = [n for n, t in tensors.items() if t.is_floating_point()]
-    flags = torch.stack(
-        [torch.isfinite(tensors[n]).all() for n in names] or [torch.tensor(True)]
-    ).cpu()  # one host sync for all of them
-    return [n for n, ok in zip(names, flags.tolist(), strict=False) if not ok]
+    by_device: dict[torch.device, list[str]] = {}
+    for n, t in tensors.items():  # AdamW keeps its step counts on the CPU beside CUDA moments
+        if t.is_floating_point():
+            by_device.setdefault(t.device, []).append(n)
+    bad = []
+    for names in by_device.values():  # one host sync per device
+        flags = torch.stack([torch.isfinite(tensors[n]).all() for n in names]).tolist()
+        bad += [n for n, ok in zip(names, flags, strict=True) if not ok]
+    return bad
 
 
 def remove_stale_temps(final: Path) -> None:

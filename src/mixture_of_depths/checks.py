@@ -136,14 +136,15 @@ def check_id_range(
         )
 
 
-def check_targets(targets: Tensor, vocab_size: int) -> None:
-    """Targets: integer ids in ``[0, vocab_size)`` or IGNORE_INDEX, at least one not ignored (with
-    none the mean loss is 0/0 = NaN)."""
+def check_targets(targets: Tensor, vocab_size: int) -> Tensor:
+    """Targets as int64, checked: integer ids in ``[0, vocab_size)`` or IGNORE_INDEX, at least
+    one not ignored (with none the mean loss is 0/0 = NaN)."""
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    targets = targets if targets.dtype == torch.int64 else targets.to(torch.int64)
     check_id_range(targets, vocab_size, "targets", ignore=IGNORE_INDEX)
     if torch.compiler.is_compiling() or targets.numel() == 0:
-        return
+        return targets
     counted = (targets != IGNORE_INDEX).any()
     if targets.device.type != "cpu":
         torch._assert_async(counted, f"every target is {IGNORE_INDEX}: no token to predict")
@@ -151,3 +152,4 @@ def check_targets(targets: Tensor, vocab_size: int) -> None:
         raise ValueError(
             f"every target is {IGNORE_INDEX} (ignored): no token to predict, the loss would be NaN"
         )
+    return targets

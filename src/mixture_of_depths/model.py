@@ -416,7 +416,7 @@ class MoDTransformer(nn.Module):
                     f"targets shape {shape} must equal idx shape {tuple(idx.shape)} "
                     "(and logits of every token: last_only=False)"
                 )
-            check_targets(targets, self.config.vocab_size)
+            targets = check_targets(targets, self.config.vocab_size)
         x_BTD = self.embed(idx)
         p = Pass.start(self.config, idx, routing, cache, lengths, x_BTD.dtype)
         routes: list[Route] = []

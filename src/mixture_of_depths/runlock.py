@@ -4,8 +4,10 @@
 exclusive `flock` on it while it trains. A second `mod train` on the same folder is refused with
 the owner's name. A lock left by a process that was killed (kill -9, a crash, a reboot) is stale
 and taken over: the kernel drops the flock with the process, and the PID no longer names a live
-process started at that time. A lock written on another host (a shared filesystem) cannot be
-checked from here; the refusal says so and how to clear it.
+process started at that time (or the machine has rebooted since: its boot id changed). A
+container restarted under a new hostname is the same machine (same boot id). A lock written on
+another machine (a shared filesystem) cannot be checked from here; the refusal says so and how to
+clear it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name in (...) may hold spaces
 
 
+def _boot_id() -> str | None:
+    """This kernel's boot id (Linux): the same in every container on one machine, new after a
+    reboot, so it tells "this machine, this boot" better than the hostname does."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
 def _alive(pid: int, start: str | None) -> bool:
     try:
         os.kill(pid, 0)
@@ -54,6 +65,7 @@ def _owner() -> dict[str, Any]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "start": _start_time(os.getpid()),
+        "boot": _boot_id(),
         "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
 
@@ -145,17 +157,29 @@ class RunLock:
 
     @staticmethod
     def _stale(info: dict[str, Any]) -> bool:
-        if info.get("host") != socket.gethostname():
-            return False  # cannot check a process on another host
+        """Whether the lock `info` describes is left over (called once our flock succeeded, so
+        no live process on this kernel holds the file's flock). The PID check stays for
+        filesystems without flock and for lock files written by hand."""
+        boot, here = info.get("boot"), _boot_id()
+        same_boot = boot is not None and boot == here
+        if not same_boot and info.get("host") != socket.gethostname():
+            return False  # another machine over a shared filesystem: cannot check from here
+        if boot is not None and here is not None and boot != here:
+            return True  # this machine, rebooted since: its processes are gone
         pid = info.get("pid")
         if not isinstance(pid, int) or pid == os.getpid():
             return True
         return not _alive(pid, info.get("start"))
 
+    @staticmethod
+    def _same_machine(info: dict[str, Any]) -> bool:
+        boot = info.get("boot")
+        return (boot is not None and boot == _boot_id()) or info.get("host") == socket.gethostname()
+
     def _refusal(self, info: dict[str, Any], held: bool) -> str:
         owner = _describe(info) if info else "another process"
         msg = f"{self.path.parent} is in use: {owner} is training there (lock {self.path})."
-        if not held and info.get("host") != socket.gethostname():
+        if not held and not self._same_machine(info):
             msg += (
                 " That host cannot be checked from here: if no run is alive there, delete the "
                 "lock file and try again."

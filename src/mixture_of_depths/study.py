@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .config import MoDConfig
 from .fileio import atomic_write_text, json_text
 from .flops import estimate_flops
-from .train import TrainConfig, train
+from .train import TrainConfig, has_checkpoint, train
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def run_one(
         log_every=max(1, min(10, steps)),
         seed=spec.seed,
     )
-    resume = (out / "checkpoint" / "config.json").exists()
+    resume = has_checkpoint(out)  # .checkpoint.old counts: a kill between a write's renames
     t0 = time.perf_counter()
     summary = train(
         None if resume else cfg, tc, resume=resume, overwrite=not resume, progress=progress

@@ -110,7 +110,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "bpe_vocab_size": Range(lo=257, integer=True),  # the 256 bytes and the end-of-text token
     "seq_len": Range(lo=1, integer=True, optional=True),
     "warmup_steps": NONNEGATIVE_INT,
-    "seed": Range(lo=0, hi=2**63 - 1, integer=True),
+    "seed": Range(lo=-(2**63), hi=2**64 - 1, integer=True),  # what torch.manual_seed takes
     "lr": POSITIVE,
     "min_lr_ratio": UNIT,
     "weight_decay": NONNEGATIVE,
@@ -340,7 +340,8 @@ class _Run:
         return self.tc.batch_size * self.seq_len
 
 
-def _has_checkpoint(out_dir: Path) -> bool:
+def has_checkpoint(out_dir: Path) -> bool:
+    """Whether the run folder `out_dir` holds a checkpoint to resume."""
     try:
         resolve_checkpoint(out_dir / CHECKPOINT_NAME)
     except FileNotFoundError:
@@ -390,7 +391,7 @@ def resume_config(out: str | Path, overrides: dict[str, Any] | None = None) -> T
     _check_out(out_dir)
     if out_dir.is_dir():  # a run in progress there is the first thing to say
         RunLock(out_dir).acquire().release()
-    if not _has_checkpoint(out_dir):
+    if not has_checkpoint(out_dir):
         raise _no_checkpoint(out_dir)
     ckpt = resolve_checkpoint(out_dir / CHECKPOINT_NAME)
     saved = _read_trainer_state(ckpt)["train_config"]
@@ -402,13 +403,16 @@ def resume_config(out: str | Path, overrides: dict[str, Any] | None = None) -> T
     except (ValueError, TypeError) as exc:
         if overrides and any(k in str(exc) for k in overrides):
             raise
-        raise corrupt(ckpt / "trainer.json", f"its train_config is invalid: {exc}") from None
+        raise ValueError(
+            f"{ckpt / 'trainer.json'}: its saved train_config is not valid ({exc}); was it "
+            "written by an older version or edited?"
+        ) from None
 
 
 def _load_resume(tc: TrainConfig) -> tuple[Path, dict[str, Any]]:
     """The checkpoint to resume from and its trainer state, checked against `tc`."""
     out_dir = Path(tc.out)
-    if not _has_checkpoint(out_dir):
+    if not has_checkpoint(out_dir):
         raise _no_checkpoint(out_dir)
     ckpt = resolve_checkpoint(out_dir / CHECKPOINT_NAME)
     trainer_state = _read_trainer_state(ckpt)
@@ -428,7 +432,9 @@ def _clear_run(out_dir: Path) -> None:
     leaves no checkpoint of the old run for a later --resume to continue under the new run's
     settings (a trash folder left by a kill goes with the next start's stale temporaries)."""
     trash = Path(tempfile.mkdtemp(dir=out_dir, prefix=".overwritten.", suffix=".tmp"))
-    for name in (CHECKPOINT_NAME, f".{CHECKPOINT_NAME}.old", *RUN_FILES):
+    # .checkpoint.old before checkpoint: with both present, moving the newer one first could
+    # leave the older for --resume to find.
+    for name in (f".{CHECKPOINT_NAME}.old", CHECKPOINT_NAME, *RUN_FILES):
         if (out_dir / name).exists() or (out_dir / name).is_symlink():
             os.replace(out_dir / name, trash / name.lstrip("."))
     fsync_dir(out_dir)
@@ -462,15 +468,13 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
                 "it was written by a run that diverged. Start over (--overwrite) with a lower --lr"
             )
         tokenizer = load_tokenizer(ckpt)
-    elif _has_checkpoint(out_dir) and not overwrite:
+    elif has_checkpoint(out_dir) and not overwrite:
         raise ValueError(
             f"{out_dir} already holds a run with a checkpoint: resume it (--resume), start over "
             "(--overwrite), or pick another --out"
         )
     elif any((out_dir / name).exists() for name in RUN_FILES) and not overwrite:
         raise _no_checkpoint(out_dir)
-    elif overwrite:
-        _clear_run(out_dir)
     torch.manual_seed(tc.seed)
     train_tokens, val_tokens, tokenizer = _prepare_data(tc, tokenizer)
     fingerprint = stream_fingerprint(train_tokens)
@@ -518,6 +522,8 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
             "--seq-len or more data"
         ) from exc
     start_step = int(trainer_state["step"]) if trainer_state else 0
+    if overwrite and not resume:  # only now that the new run has passed every check
+        _clear_run(out_dir)
     log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
     if not resume:
         write_json(
@@ -540,7 +546,7 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
         step_fn=torch.compile(model) if tc.compile else model,
         saved_step=start_step,
         bad_step=torch.zeros((), dtype=torch.int64, device=device),
-        bad_values=torch.zeros(2, device=device),
+        bad_values=torch.zeros(3, device=device),
     )
     # The predictor is clipped on its own: its gradient must not rescale the LM's update.
     for name, param in model.named_parameters():
@@ -563,19 +569,22 @@ def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
     # Clip before the step: clipping after it would be a no-op on this update.
     max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(run.lm_params, max_norm)
+    norms = [grad_norm]
     if run.predictor_params:
-        torch.nn.utils.clip_grad_norm_(run.predictor_params, max_norm)
-    _watch_finite(run, step + 1, out.loss, grad_norm)
+        norms.append(torch.nn.utils.clip_grad_norm_(run.predictor_params, max_norm))
+    _watch_finite(run, step + 1, out.loss, *norms)
     run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     run.window_tokens += run.tokens_per_step
     return out, grad_norm, lr
 
 
-def _watch_finite(run: _Run, done: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-    """Remember the first step whose loss or gradient norm is not finite: device ops only, no
-    host sync, so accelerators run ahead; `_check_finite` looks at log and eval boundaries."""
-    values = torch.stack([loss.detach().float(), grad_norm.detach().float()])
+def _watch_finite(run: _Run, done: int, loss: torch.Tensor, *grad_norms: torch.Tensor) -> None:
+    """Remember the first step whose loss or a gradient norm (the LM's, the predictor's) is not
+    finite: device ops only, no host sync, so accelerators run ahead; `_check_finite` looks at
+    log and eval boundaries."""
+    values = torch.stack([loss.detach().float(), *(g.detach().float() for g in grad_norms)])
+    values = torch.cat([values, values.new_zeros(3 - len(values))])  # (loss, lm, predictor)
     first = (run.bad_step == 0) & ~torch.isfinite(values).all()
     run.bad_step = torch.where(first, done, run.bad_step)
     run.bad_values = torch.where(first, values, run.bad_values)
@@ -587,13 +596,16 @@ def _check_finite(run: _Run, done: int) -> None:
     bad = int(run.bad_step)  # the host sync, once per log or eval boundary
     if not bad:
         return
-    loss, grad_norm = run.bad_values.tolist()
+    loss, grad_norm, predictor_norm = run.bad_values.tolist()
     if run.saved_step:
         kept = f"the checkpoint in {run.ckpt_dir} (step {run.saved_step}) is the last good one"
     else:
-        kept = f"no checkpoint was written (the first would have come at step {run.tc.eval_every})"
+        first = min(run.tc.eval_every, run.tc.steps)
+        kept = f"no checkpoint was written (the first would have come at step {first})"
     msg = (
-        f"training diverged at step {bad}: loss {loss}, gradient norm {grad_norm} (learning rate "
+        f"training diverged at step {bad}: loss {loss}, gradient norm {grad_norm}"
+        + (f", predictor's {predictor_norm}" if run.predictor_params else "")
+        + " (learning rate "
         f"{lr_at(bad - 1, run.tc):.3g}); stopped at step {done} and saved nothing after it: "
         f"{kept}. Lower --lr or lengthen --warmup-steps, and start over (--overwrite)"
     )
@@ -705,6 +717,7 @@ def train(
     """
     out_dir = Path(tc.out)
     _check_out(out_dir)
+    resolve_device(tc.device)  # a bad device is an error before anything is created
     with RunLock(out_dir):
         run = _start(model_config, tc, resume, overwrite)
         return _train_loop(run, progress)
