@@ -243,5 +243,7 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(z)
             elif p.ndim == 2:
                 p.copy_(z / p.shape[1] ** 0.5)
+            elif p.ndim == 3:  # expert weights (experts, fan-in, fan-out)
+                p.copy_(z / p.shape[1] ** 0.5)
             else:
                 p.copy_(0.3 * z)

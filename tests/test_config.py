@@ -70,6 +70,14 @@ def test_presets_exist_and_pair_up():
         if name.endswith("-dense"):
             assert cfg.is_dense
             assert cfg == MoDConfig.preset(name.removesuffix("-dense")).dense_twin()
+        elif cfg.has_experts:  # the MoE / MoDE family: same active parameters as its base
+            base = MoDConfig.preset(name.split("-")[0])
+            assert cfg.experts_per_token * cfg.d_ff_expert == base.d_ff
+            assert (cfg.d_model, cfg.n_layers, cfg.n_heads) == (
+                base.d_model,
+                base.n_layers,
+                base.n_heads,
+            )
         else:
             assert not cfg.is_dense
             assert f"{name}-dense" in PRESETS

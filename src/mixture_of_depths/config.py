@@ -98,6 +98,15 @@ class MoDConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Experts (docs/semantics.md, "Experts"): with n_experts > 0 every block's MLP is an expert
+    # layer. Pattern "DR": staged MoDE; "D" with no-op experts: integrated MoDE.
+    n_experts: int = 0  # 0: the plain SwiGLU MLP
+    experts_per_token: int = 1  # token-choice top-k over real and no-op experts
+    d_ff_expert: int | None = None  # None: d_ff // experts_per_token (same active parameters)
+    n_noop_experts: int = 0  # > 0: integrated MoDE (a no-op expert adds exactly zero)
+    expert_capacity_factor: float | None = None  # None: no dropping (training top-k only)
+    moe_balance_loss_weight: float = 1e-2  # Switch Transformer's load-balancing loss
+    moe_z_loss_weight: float = 1e-3  # ST-MoE's router z-loss
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -126,6 +135,7 @@ class MoDConfig:
                 )
             object.__setattr__(self, "d_ff", d_ff)
         POSITIVE_INT.check("d_ff", self.d_ff)
+        self._check_experts()
         if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
             raise ValueError(
                 f"layer_pattern must be a non-empty string of 'D'/'R', got {self.layer_pattern!r}"
@@ -149,6 +159,28 @@ class MoDConfig:
             check_choice(name, getattr(self, name), allowed)
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+
+    def _check_experts(self) -> None:
+        if self.n_experts == 0:
+            if self.n_noop_experts or self.expert_capacity_factor is not None:
+                raise ValueError(
+                    "n_noop_experts and expert_capacity_factor need an expert layer: set "
+                    f"n_experts > 0 (got n_experts=0, n_noop_experts={self.n_noop_experts}, "
+                    f"expert_capacity_factor={self.expert_capacity_factor})"
+                )
+            return
+        if self.d_ff_expert is None:
+            object.__setattr__(self, "d_ff_expert", max(1, self.d_ff // self.experts_per_token))
+        choices = self.n_experts + self.n_noop_experts
+        if self.experts_per_token > choices:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} is more than the "
+                f"{choices} experts (n_experts + n_noop_experts) a token can choose from"
+            )
+
+    @property
+    def has_experts(self) -> bool:
+        return self.n_experts > 0
 
     # -- derived ----------------------------------------------------------------------------------
     @property
@@ -230,10 +262,18 @@ MODEL_RANGES: dict[str, Range] = {
     "rope_theta": POSITIVE,
     "norm_eps": Range(lo=0, hi=1, lo_open=True),
     "init_std": POSITIVE,
+    "n_experts": Range(lo=0, hi=4096, integer=True),
+    "experts_per_token": Range(lo=1, hi=64, integer=True),
+    "d_ff_expert": Range(lo=1, integer=True, optional=True),
+    "n_noop_experts": Range(lo=0, hi=4096, integer=True),
+    "expert_capacity_factor": Range(lo=0, lo_open=True, optional=True),
+    "moe_balance_loss_weight": Range(lo=0),
+    "moe_z_loss_weight": Range(lo=0),
 }
 
 _TINY = dict(d_model=64, n_layers=4, n_heads=4, max_seq_len=128, predictor_hidden=32)
 _SMALL = dict(d_model=192, n_layers=8, n_heads=6, max_seq_len=256)
+_EXPERTS = dict(n_experts=4, experts_per_token=1)
 _BASE = dict(d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=512)
 
 # Routed presets follow the paper's best: every other block routed at 12.5% capacity.
@@ -242,6 +282,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-dense": {**_TINY, "layer_pattern": "D"},
     "small": {**_SMALL, "layer_pattern": "DR"},
     "small-dense": {**_SMALL, "layer_pattern": "D"},
+    # Experts at small's active parameters per token (top-1 of experts as wide as its MLP):
+    # MoE; the "MoE relying on dropping" baseline (half the slots at most); staged MoDE (MoD
+    # blocks whose MLPs are expert layers); integrated MoDE (four no-op experts beside four).
+    "small-moe": {**_SMALL, **_EXPERTS, "layer_pattern": "D"},
+    "small-moe-drop": {**_SMALL, **_EXPERTS, "layer_pattern": "D", "expert_capacity_factor": 0.5},
+    "small-mode-staged": {**_SMALL, **_EXPERTS, "layer_pattern": "DR"},
+    "small-mode-integrated": {**_SMALL, **_EXPERTS, "layer_pattern": "D", "n_noop_experts": 4},
     "base": {**_BASE, "layer_pattern": "DR"},
     "base-dense": {**_BASE, "layer_pattern": "D"},
 }

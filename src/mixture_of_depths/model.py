@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from .cache import Cache, kv_hook
 from .checks import IGNORE_INDEX, check_targets, token_tensor
 from .config import LAYER_KINDS, MoDConfig
+from .experts import ExpertMLP, ExpertRoute, balance_loss, z_loss
 from .layers import MLP, Attention, KVHook, LayerCost, Predictor, RMSNorm, price, rope_tables
 from .precision import at_least_float32
 from .routing import (
@@ -48,6 +49,10 @@ class MoDOutput:
     lm_loss: Tensor | None = None
     aux_loss: Tensor | None = None
     routes: list[Route] = field(default_factory=list)
+    # Expert layers (n_experts > 0): one record per expert-layer call, in layer order, and the
+    # weighted load-balancing + z-loss (mean over those calls); None without experts or cache.
+    expert_routes: list[ExpertRoute] = field(default_factory=list)
+    moe_loss: Tensor | None = None
 
 
 @dataclass
@@ -63,6 +68,7 @@ class Pass:
     decode: bool = False
     valid_BT: Tensor | None = None
     lengths: Tensor | None = None  # (B,) on the device: real tokens per row
+    expert_routes: list[ExpertRoute] = field(default_factory=list)  # filled by expert layers
 
     def kv(self, layer: int, take_BT: Tensor | None) -> KVHook | None:
         return None if self.cache is None else kv_hook(self.cache, layer, take_BT, self.decode)
@@ -142,7 +148,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = ExpertMLP(cfg, layer) if cfg.has_experts else MLP(cfg)
 
     def update(
         self,
@@ -152,15 +158,27 @@ class Block(nn.Module):
         sin: Tensor,
         mask: Tensor | None,
         kv: KVHook | None = None,
+        p: Pass | None = None,
     ) -> Tensor:
         """The update f(x~) of sub-block `kind` ("block", "attn" or "mlp"); the outer residual is
         added by the caller. For the whole block, f = a + mlp(mlp_norm(x~ + a))."""
         if kind == "mlp":
-            return self.mlp(self.mlp_norm(x_BKD))
+            return self.mlp_update(self.mlp_norm(x_BKD), p)
         a_BKD = self.attn(self.attn_norm(x_BKD), cos, sin, mask, kv)
         if kind == "attn":
             return a_BKD
-        return a_BKD + self.mlp(self.mlp_norm(x_BKD + a_BKD))
+        return a_BKD + self.mlp_update(self.mlp_norm(x_BKD + a_BKD), p)
+
+    def mlp_update(self, h: Tensor, p: Pass | None) -> Tensor:
+        """The MLP, or the expert layer, which records its route on the pass; capacity
+        dropping only in training's top-k forward (never causal, never with a cache)."""
+        if not isinstance(self.mlp, ExpertMLP):
+            return self.mlp(h)
+        drop = self.training and p is not None and p.routing == "topk" and p.cache is None
+        y, route = self.mlp(h, drop=drop)
+        if p is not None:
+            p.expert_routes.append(route)
+        return y
 
     def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
         raise NotImplementedError
@@ -184,7 +202,7 @@ class DenseBlock(Block):
     def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
         # A padded prompt stores only its real tokens (p.valid_BT) in the cache.
         kv = p.kv(self.layer, p.valid_BT)
-        return x_BTD + self.update("block", x_BTD, p.cos, p.sin, None, kv), []
+        return x_BTD + self.update("block", x_BTD, p.cos, p.sin, None, kv, p), []
 
     @staticmethod
     def cost(
@@ -265,9 +283,10 @@ class RoutedBlock(Block):
         sin: Tensor,
         mask: Tensor | None,
         kv: KVHook | None,
+        p: Pass | None = None,
     ) -> Tensor:
         """``x + g(r) * f(x)``: the new stream of the tokens that take sub-block `kind`."""
-        f = self.update(kind, x, cos, sin, mask, kv)
+        f = self.update(kind, x, cos, sin, mask, kv, p)
         return x + gate(self.cfg, r, x).unsqueeze(-1) * f
 
     def run_topk(self, kind: str, x_BTD: Tensor, r_BT: Tensor, idx_BK: Tensor, p: Pass) -> Tensor:
@@ -284,7 +303,7 @@ class RoutedBlock(Block):
         # Original positions; idx is sorted, so a plain causal mask over K is causal in T.
         cos, sin = p.cos[idx_BK].unsqueeze(1), p.sin[idx_BK].unsqueeze(1)
         kv = None if kind == "mlp" else p.kv(self.layer, None)
-        y_BKD = self.gated(kind, x_BKD, r_BT.gather(1, idx_BK), cos, sin, None, kv)
+        y_BKD = self.gated(kind, x_BKD, r_BT.gather(1, idx_BK), cos, sin, None, kv, p)
         return x_ND.index_copy(0, rows_N, y_BKD.reshape(B * k, D)).view(B, T, D)
 
     def run_masked(
@@ -293,7 +312,7 @@ class RoutedBlock(Block):
         """Every token computes; a taker attends only to earlier takers; skippers keep x."""
         mask = None if kind == "mlp" else causal_attention_mask(take_BT)
         kv = None if kind == "mlp" else p.kv(self.layer, take_BT)
-        y_BTD = self.gated(kind, x_BTD, r_BT, p.cos, p.sin, mask, kv)
+        y_BTD = self.gated(kind, x_BTD, r_BT, p.cos, p.sin, mask, kv, p)
         return torch.where(take_BT.unsqueeze(-1), y_BTD, x_BTD)
 
     def run_rows(
@@ -317,7 +336,7 @@ class RoutedBlock(Block):
         if r_M1 is None:
             r_M1 = self.router_weight(kind, x_M1D)
         kv = None if cache is None else kv_hook(cache, self.layer, None, decode=True)
-        y_M1D = self.gated(kind, x_M1D, r_M1, cos, sin, None, kv)
+        y_M1D = self.gated(kind, x_M1D, r_M1, cos, sin, None, kv, p)
         return y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
 
     @staticmethod
@@ -357,7 +376,10 @@ class MoDTransformer(nn.Module):
         resid_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         for block in self.blocks:
             nn.init.normal_(block.attn.wo.weight, std=resid_std)
-            nn.init.normal_(block.mlp.w2.weight, std=resid_std)
+            if isinstance(block.mlp, ExpertMLP):
+                block.mlp.reset_parameters(cfg.init_std, resid_std)
+            else:
+                nn.init.normal_(block.mlp.w2.weight, std=resid_std)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -434,6 +456,16 @@ class MoDTransformer(nn.Module):
         # With a cache there is nothing to train: no aux loss (a prefill's would count padding).
         aux_loss = None if cache is not None else router_aux_loss(routes, logits)
         out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
+        out.expert_routes = p.expert_routes
+        if p.expert_routes and cache is None:
+            cfg = self.config
+            out.moe_loss = torch.stack(
+                [
+                    cfg.moe_balance_loss_weight * balance_loss(r)
+                    + cfg.moe_z_loss_weight * z_loss(r)
+                    for r in p.expert_routes
+                ]
+            ).mean()
         if targets is not None:
             out.lm_loss = F.cross_entropy(
                 logits.to(at_least_float32(logits.dtype)).flatten(0, 1),
@@ -443,4 +475,6 @@ class MoDTransformer(nn.Module):
             out.loss = out.lm_loss
             if out.aux_loss is not None:
                 out.loss = out.loss + self.config.aux_loss_weight * out.aux_loss
+            if out.moe_loss is not None:
+                out.loss = out.loss + out.moe_loss
         return out

@@ -1,0 +1,167 @@
+"""Expert layers: a token-choice mixture of SwiGLU experts, with optional no-op experts
+(integrated MoDE) and an optional expert capacity (tokens over it are dropped: they ride the
+residual stream). docs/semantics.md ("Experts") states the rules; in short:
+
+- the router ``Linear(D, n_experts + n_noop_experts)`` is read in float32, softmaxed over all the
+  experts, and each token takes its top-`experts_per_token` (ties: the lower expert index);
+- a chosen real expert's output is scaled by its softmax probability, not renormalised over the
+  chosen ones (so top-1 still trains the router); a no-op expert contributes exactly zero;
+- with a capacity (training top-k only), each real expert takes at most
+  ``ceil(factor * tokens * experts_per_token / n_experts)`` slots, first choices before second
+  ones, earlier positions before later ones, then lower rows: the rest are dropped.
+
+Computation: slots are sorted by expert and each expert runs once on its contiguous slice (a loop
+over experts, never over tokens), and results are added back with `index_add`. The slice bounds
+reach the host once per layer call (the one host sync of an expert layer).
+
+Names with shape suffixes: N tokens of the call, S = N * experts_per_token slots, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import MoDConfig
+from .routing import linear32
+
+
+@dataclass
+class ExpertRoute:
+    """What one expert layer did on one call (returned, never stored on the module).
+
+    Shapes are those of the tokens that reached the layer, (..., experts_per_token): `experts`
+    the chosen expert ids (ids >= n_experts are no-op experts), `probs` their softmax
+    probabilities, `kept` whether the slot ran (False: a no-op, or dropped by the capacity).
+    `logits` (..., n_experts + n_noop_experts) float32 router logits; `dropped` the real-expert
+    slots the capacity removed.
+    """
+
+    layer: int
+    experts: Tensor
+    probs: Tensor
+    kept: Tensor
+    dropped: Tensor
+    logits: Tensor
+    n_experts: int
+
+    @property
+    def real(self) -> Tensor:
+        """Slots that chose a real expert (kept or dropped)."""
+        return self.experts < self.n_experts
+
+
+def expert_capacity(cfg: MoDConfig, tokens: int) -> int | None:
+    """Slots one real expert takes when `tokens` tokens reach the layer, or None (no bound)."""
+    if cfg.expert_capacity_factor is None:
+        return None
+    return math.ceil(cfg.expert_capacity_factor * tokens * cfg.experts_per_token / cfg.n_experts)
+
+
+class ExpertMLP(nn.Module):
+    """`n_experts` SwiGLU experts of hidden size `d_ff_expert`, plus `n_noop_experts` no-ops."""
+
+    def __init__(self, cfg: MoDConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        E, D, F_ = cfg.n_experts, cfg.d_model, cfg.d_ff_expert
+        self.router = nn.Linear(D, cfg.n_experts + cfg.n_noop_experts, bias=False)
+        # Per expert: w13 (D, 2F) with W1 then W3 in its columns, w2 (F, D): x @ w13, h @ w2.
+        self.w13 = nn.Parameter(torch.empty(E, D, 2 * F_))
+        self.w2 = nn.Parameter(torch.empty(E, F_, D))
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.router.weight, std=std)
+        nn.init.normal_(self.w13, std=std)
+        nn.init.normal_(self.w2, std=out_std)
+
+    def expert(self, e: int, x_ND: Tensor) -> Tensor:
+        a, b = (x_ND @ self.w13[e]).chunk(2, dim=-1)
+        return (F.silu(a) * b) @ self.w2[e]
+
+    def choose(self, x: Tensor, drop: bool) -> ExpertRoute:
+        """The router's choices for tokens `x` (..., D); `drop` applies the capacity."""
+        cfg = self.cfg
+        logits = linear32(x, self.router)
+        probs = logits.softmax(-1)
+        # A stable sort: among equal probabilities the lower expert index comes first.
+        order = probs.sort(dim=-1, descending=True, stable=True).indices
+        experts = order[..., : cfg.experts_per_token]
+        p = probs.gather(-1, experts)
+        real = experts < cfg.n_experts
+        kept = real.clone()
+        cap = expert_capacity(cfg, x[..., 0].numel()) if drop else None
+        if cap is not None:
+            kept &= self._slot_rank(experts, real) < cap
+        return ExpertRoute(self.layer, experts, p, kept, real & ~kept, logits, cfg.n_experts)
+
+    def _slot_rank(self, experts: Tensor, real: Tensor) -> Tensor:
+        """Each slot's place in its expert's queue: choice rank first, then position, then row."""
+        k = experts.shape[-1]
+        e_BTk = experts.reshape(-1, *experts.shape[-2:]) if experts.dim() > 2 else experts[None]
+        B, T, _ = e_BTk.shape
+        # Priority of slot (b, t, j): j * T * B + t * B + b (lower goes first).
+        prio = (
+            torch.arange(k, device=experts.device) * (T * B)
+            + torch.arange(T, device=experts.device)[:, None] * B
+            + torch.arange(B, device=experts.device)[:, None, None]
+        ).reshape(-1)
+        e_S = torch.where(real, experts, self.cfg.n_experts).reshape(-1)  # no-ops queue apart
+        key = e_S * (k * T * B) + prio
+        sorted_key, order = key.sort()
+        e_sorted = sorted_key // (k * T * B)
+        start = torch.searchsorted(e_sorted, e_sorted, side="left")
+        rank_sorted = torch.arange(len(key), device=key.device) - start
+        rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+        return rank.view(experts.shape)
+
+    def forward(self, x: Tensor, drop: bool = False) -> tuple[Tensor, ExpertRoute]:
+        """``sum_j p_j * expert_j(x)`` over each token's kept real-expert slots (zero for a token
+        with none), and the route."""
+        route = self.choose(x, drop)
+        D, k = x.shape[-1], self.cfg.experts_per_token
+        x_ND = x.reshape(-1, D)
+        e_S = route.experts.reshape(-1)
+        w_S = route.probs.reshape(-1).to(x.dtype)
+        tok_S = torch.arange(x_ND.shape[0], device=x.device).repeat_interleave(k)
+        kept_S = route.kept.reshape(-1)
+        # Sort the kept slots by expert: each expert's slots are one contiguous slice.
+        e_key = torch.where(kept_S, e_S, self.cfg.n_experts)
+        e_sorted, order = e_key.sort(stable=True)
+        counts = torch.bincount(e_sorted, minlength=self.cfg.n_experts + 1)
+        counts = counts[: self.cfg.n_experts].tolist()  # the one host sync
+        y_ND = torch.zeros_like(x_ND)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                idx = order[start : start + n]
+                tok = tok_S[idx]
+                out = self.expert(e, x_ND.index_select(0, tok)) * w_S[idx, None]
+                y_ND = y_ND.index_add(0, tok, out)
+            start += n
+        return y_ND.view(x.shape), route
+
+    @staticmethod
+    def params(cfg: MoDConfig) -> float:
+        """Weights one token reads when it runs one expert."""
+        return 3.0 * cfg.d_model * cfg.d_ff_expert
+
+
+def balance_loss(route: ExpertRoute) -> Tensor:
+    """Switch Transformer's load-balancing loss over all experts, no-op ones included (as
+    zero-computation experts are in MoE++): ``n * sum_i f_i * P_i``, with f_i the share of slots
+    that chose expert i and P_i its mean router probability; 1 when perfectly balanced."""
+    n = route.logits.shape[-1]
+    probs = route.logits.softmax(-1).reshape(-1, n)
+    f = torch.bincount(route.experts.reshape(-1), minlength=n).to(probs.dtype)
+    f = f / route.experts.numel()
+    return n * (f * probs.mean(0)).sum()
+
+
+def z_loss(route: ExpertRoute) -> Tensor:
+    """ST-MoE's router z-loss: mean squared log-sum-exp of the router logits."""
+    return route.logits.logsumexp(-1).square().mean()
