@@ -626,6 +626,7 @@ def _log_step(
         "loss": out.loss.item(),
         "lm_loss": out.lm_loss.item(),
         "aux_loss": out.aux_loss.item(),
+        **({"moe_loss": out.moe_loss.item()} if out.moe_loss is not None else {}),
         "lr": lr,
         "grad_norm": grad_norm.item(),
         "tokens_per_s": tok_s,
