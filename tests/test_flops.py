@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -164,3 +166,71 @@ def test_decode_cost_matches_the_decode_expectation_of_estimate_flops():
     n_params = sum(p.numel() for n, p in named if "norm" not in n)
     _, nbytes = decode_cost(dense, layer_shares(dense, []), [1.0] * 4, 0, element_size=4)
     assert nbytes == 4 * n_params  # tied embedding: the lm_head's weights are the embedding's
+
+
+# -- expert layers ------------------------------------------------------------------------------
+EXPERTS = dict(n_experts=4, d_ff_expert=40)
+EXPERT_CASES = [
+    dict(layer_pattern="D", **EXPERTS),  # MoE, top-1
+    dict(layer_pattern="D", **EXPERTS, experts_per_token=2, n_noop_experts=2),  # integrated
+    dict(layer_pattern="D", **EXPERTS, expert_capacity_factor=0.5),  # dropping
+    dict(layer_pattern="DR", capacity=0.25, **EXPERTS, n_noop_experts=3),  # staged + no-ops
+    dict(layer_pattern="R", capacity=0.5, routing="staggered", **EXPERTS, experts_per_token=2),
+]
+
+
+def measured_shares(model: MoDTransformer, idx: torch.Tensor) -> list[float]:
+    """Per layer, the share of expert slots that ran a real expert on this forward."""
+    routes = {r.layer: r for r in model(idx, idx).expert_routes}
+    return [
+        float(routes[i].kept.float().mean()) if i in routes else 0.0
+        for i in range(model.config.n_layers)
+    ]
+
+
+@pytest.mark.parametrize("over", EXPERT_CASES, ids=[str(c) for c in EXPERT_CASES])
+def test_expert_forward_equals_flop_counter(over):
+    """Router, the experts that ran (no-op and dropped slots cost 0), given the measured share."""
+    cfg = MoDConfig(**{**BASE, **over})
+    model = MoDTransformer(cfg)  # training mode: the capacity drops
+    idx = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
+    shares = measured_shares(model, idx)
+    want = counted(model, idx)
+    got = estimate_flops(cfg, 40, batch_size=3, expert_share=shares).forward
+    assert got == pytest.approx(want, rel=0.01), (got, want)
+    # The default is the bound: never less than what ran.
+    bound = estimate_flops(cfg, 40, batch_size=3)
+    assert bound.forward >= got * (1 - 1e-12)
+    assert all(lf.expert_share >= s for lf, s in zip(bound.layers, shares, strict=True))
+
+
+@pytest.mark.parametrize("over", EXPERT_CASES[1:3], ids=[str(c) for c in EXPERT_CASES[1:3]])
+def test_expert_training_step_equals_flop_counter(over):
+    cfg = MoDConfig(**{**BASE, **over})
+    model = MoDTransformer(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(3))
+    shares = measured_shares(model, idx)  # the same input routes the same way below
+    want = counted(model, idx, backward=True)
+    got = estimate_flops(cfg, 48, batch_size=2, expert_share=shares).train
+    assert got == pytest.approx(want, rel=0.01), (got, want)
+
+
+def test_expert_bound_and_dense_twin():
+    """Without no-ops or a capacity every slot runs (share 1) and the experts cost what the dense
+    twin's MLP costs; a capacity factor bounds the share at n_experts * capacity / slots."""
+    cfg = MoDConfig(**{**BASE, **EXPERT_CASES[0]})
+    rep = estimate_flops(cfg, 64, batch_size=2)
+    twin = rep.dense
+    assert twin is not None and not twin.config.has_experts
+    assert twin.config.d_ff == cfg.d_ff_expert and twin.config.layer_pattern == "D"
+    assert [lf.expert_share for lf in rep.layers] == [1.0] * cfg.n_layers
+    for lf, dl in zip(rep.layers, twin.layers, strict=True):
+        assert lf.matmul == pytest.approx(dl.matmul)
+        assert lf.router == pytest.approx(2 * 64 * 2 * cfg.d_model * cfg.n_experts)
+    drop = MoDConfig(**{**BASE, **EXPERTS, "expert_capacity_factor": 0.3})
+    got = estimate_flops(drop, 50, batch_size=3).layers[0].expert_share
+    assert got == pytest.approx(4 * math.ceil(0.3 * 150 / 4) / 150)
+    with pytest.raises(ValueError, match="expert_share"):
+        estimate_flops(drop, 50, expert_share=[0.5])
+    with pytest.raises(ValueError, match="expert_share"):
+        estimate_flops(MoDConfig(**BASE), 50, expert_share=0.5)

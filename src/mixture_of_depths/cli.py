@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="context length for the decode estimate (default: --seq-len)",
     )
+    p.add_argument(
+        "--expert-share",
+        type=float,
+        default=None,
+        help="expert layers: share of token slots that run a real expert (default: the bound, "
+        "1 or the capacity factor's)",
+    )
     p.add_argument("--json", action="store_true")
     _add_dataclass_flags(
         p.add_argument_group("model (MoDConfig fields)"),
@@ -401,6 +408,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
         args.batch_size,
         take_rate=args.take_rate,
         decode_context=args.decode_context,
+        expert_share=args.expert_share,
     )
     print(json_text(report.to_dict()) if args.json else format_report(report))
     return 0

@@ -213,8 +213,21 @@ class MoDConfig:
         return capacity_tokens(self._capacity_ratio, seq_len)
 
     def dense_twin(self) -> MoDConfig:
-        """The same model with every block dense: the baseline of the same size."""
-        return dataclasses.replace(self, layer_pattern="D")
+        """The same model with every block dense: the baseline of the same size. With experts,
+        each MLP becomes the plain SwiGLU of the same active size (``d_ff = experts_per_token *
+        d_ff_expert``): the dense model a token's FLOPs are compared with."""
+        if not self.has_experts:
+            return dataclasses.replace(self, layer_pattern="D")
+        return dataclasses.replace(
+            self,
+            layer_pattern="D",
+            d_ff=self.experts_per_token * self.d_ff_expert,
+            n_experts=0,
+            experts_per_token=1,
+            d_ff_expert=None,
+            n_noop_experts=0,
+            expert_capacity_factor=None,
+        )
 
     # -- serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -147,8 +147,21 @@ class ExpertMLP(nn.Module):
 
     @staticmethod
     def params(cfg: MoDConfig) -> float:
-        """Weights one token reads when it runs one expert."""
+        """Weights one slot reads when it runs a real expert."""
         return 3.0 * cfg.d_model * cfg.d_ff_expert
+
+    @staticmethod
+    def router_params(cfg: MoDConfig) -> float:
+        """Weights of the expert router, read by every token that reaches the layer."""
+        return float(cfg.d_model * (cfg.n_experts + cfg.n_noop_experts))
+
+
+def expert_share_bound(cfg: MoDConfig, tokens: int, drop: bool = True) -> float:
+    """The largest share of the slots of `tokens` tokens that real experts can run: 1, or the
+    capacity's bound ``n_experts * capacity / slots`` where the capacity drops (`drop`)."""
+    cap = expert_capacity(cfg, tokens) if drop else None
+    slots = tokens * cfg.experts_per_token
+    return 1.0 if cap is None or slots == 0 else min(1.0, cfg.n_experts * cap / slots)
 
 
 def balance_loss(route: ExpertRoute) -> Tensor:

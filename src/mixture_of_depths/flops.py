@@ -29,6 +29,7 @@ from typing import Any
 
 from .checks import POSITIVE_INT, Range
 from .config import LAYER_KINDS, MoDConfig
+from .experts import expert_share_bound
 from .layers import Attention
 from .model import BLOCKS
 
@@ -43,8 +44,9 @@ class LayerFlops:
     matmul: float  # q/k/v/o projections and the MLP
     attention: float  # QK^T and AV, full products (FlopCounterMode's count)
     attention_causal: float  # QK^T and AV over the query-key pairs a causal mask keeps
-    router: float
+    router: float  # MoD's routers and the expert router
     predictor: float
+    expert_share: float | None = None  # share of the expert slots that ran a real expert
 
     @property
     def forward(self) -> float:
@@ -136,6 +138,20 @@ def _take_rates(cfg: MoDConfig, take_rate: float | list[float] | None) -> list[f
     return takes
 
 
+def _expert_shares(cfg: MoDConfig, share: float | list[float] | None) -> list[float] | None:
+    if share is None:
+        return None
+    if not cfg.has_experts:
+        raise ValueError(f"expert_share is for expert layers (n_experts > 0), got {share!r}")
+    shares = [float(share)] * cfg.n_layers if isinstance(share, int | float) else list(share)
+    if len(shares) != cfg.n_layers or not all(0 <= s <= 1 for s in shares):
+        raise ValueError(
+            f"expert_share must be one share in [0, 1] or one per layer ({cfg.n_layers}), "
+            f"got {share!r}"
+        )
+    return shares
+
+
 def estimate_flops(
     config: MoDConfig,
     seq_len: int,
@@ -145,6 +161,7 @@ def estimate_flops(
     decode_context: int | None = None,
     bytes_per_element: int = 2,
     with_dense: bool = True,
+    expert_share: float | list[float] | None = None,
 ) -> FlopReport:
     """FLOPs of `config` on `batch_size` sequences of `seq_len` tokens, per layer and in total:
     the sum of each layer kind's own cost function (`BLOCKS[kind].cost`).
@@ -153,24 +170,36 @@ def estimate_flops(
     (default: the capacity). `decode_context`: context length of the decode estimate (default:
     `seq_len`). `bytes_per_element`: of the KV cache (2 for bf16). With `with_dense`, the dense
     twin's report is attached as `.dense`.
+
+    `expert_share` (expert layers only): the share of token slots that ran a real expert, one
+    share or one per layer; the rest chose a no-op expert or were dropped and cost nothing.
+    Default: the bound, the most the layers can run: 1, or with a capacity factor the
+    capacity's ``n_experts * capacity / slots`` (training's top-k forward drops; decoding does
+    not, so the decode figure then assumes 1). Pass measured shares for the FLOPs a run
+    actually spent.
     """
-    if config.has_experts:  # an expert layer's cost is not priced yet: refuse, never guess
-        raise ValueError(
-            "estimate_flops does not count expert layers yet (n_experts > 0); their FLOPs are "
-            "being added with the MoDE work"
-        )
     POSITIVE_INT.check("seq_len", seq_len)
     POSITIVE_INT.check("batch_size", batch_size)
     Range(lo=1, integer=True, optional=True).check("decode_context", decode_context)
     cfg, B, T = config, batch_size, seq_len
     takes = _take_rates(cfg, take_rate)
+    given = _expert_shares(cfg, expert_share)
     context = seq_len if decode_context is None else decode_context
     layers: list[LayerFlops] = []
+    shares: list[float | None] = []
     for i, kind in enumerate(cfg.layer_kinds):
         block = BLOCKS[kind]
-        full = block.cost(cfg, T)  # top-k, full attention products (FlopCounterMode's count)
+        share = None
+        if cfg.has_experts:  # the tokens of the whole batch that reach the expert layer
+            mlp_tokens = cfg.capacity_tokens(T) if LAYER_KINDS[kind].routed else T
+            share = expert_share_bound(cfg, B * mlp_tokens) if given is None else given[i]
+        shares.append(share)
+        es = 1.0 if share is None else share
+        # top-k, full attention products (FlopCounterMode's count)
+        full = block.cost(cfg, T, expert_share=es)
         n = full.attn_tokens
-        causal = block.cost(cfg, T, keys=(n + 1) / 2)  # the n(n+1)/2 pairs a causal mask keeps
+        # the n(n+1)/2 pairs a causal mask keeps
+        causal = block.cost(cfg, T, keys=(n + 1) / 2, expert_share=es)
         layers.append(
             LayerFlops(
                 layer=i,
@@ -181,13 +210,14 @@ def estimate_flops(
                 attention_causal=B * causal.attention,
                 router=B * full.router,
                 predictor=B * full.predictor,
+                expert_share=share,
             )
         )
     # Decoding: a new token takes each routed layer with probability p (its take-rate) and
     # attends over the keys the layer caches, the same share p of the context.
     it, routed = iter(takes), set(cfg.routed_layers)
     p_layer = [next(it) if i in routed else 1.0 for i in range(cfg.n_layers)]
-    decode, _ = decode_cost(cfg, [(p, p) for p in p_layer], p_layer, context)
+    decode, _ = decode_cost(cfg, [(p, p) for p in p_layer], p_layer, context, expert_share=given)
     lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
     report = FlopReport(
         config=cfg,
@@ -201,7 +231,7 @@ def estimate_flops(
         kv_bytes_per_token=sum(p_layer) * Attention.kv_entry(cfg) * bytes_per_element,
         bytes_per_element=bytes_per_element,
     )
-    if with_dense and not cfg.is_dense:
+    if with_dense and (not cfg.is_dense or cfg.has_experts):
         report.dense = estimate_flops(
             cfg.dense_twin(),
             seq_len,
@@ -239,6 +269,7 @@ def decode_cost(
     busy: Sequence[tuple[float, float]] | None = None,
     batch_size: int = 1,
     element_size: int = 2,
+    expert_share: Sequence[float] | None = None,
 ) -> tuple[float, float]:
     """(FLOPs per decoded token, bytes read per decode step of `batch_size` rows), from each layer
     kind's cost function.
@@ -249,16 +280,19 @@ def decode_cost(
     about 1 - 0.875^8 = 66%; default: `take`, right at batch 1). Bytes: the weights read (the
     predictors every step; a router every step in aux-loss mode, in predictor mode only when some
     row takes its sub-block) plus each attending row's cached keys and values, plus the lm_head.
-    Small-batch decoding is bound by these bytes more than by its FLOPs.
+    Small-batch decoding is bound by these bytes more than by its FLOPs. `expert_share`: per
+    layer, the share of expert slots that run a real expert (default 1: decoding never drops).
     """
     busy = take if busy is None else busy
     flops = 2.0 * cfg.d_model * cfg.vocab_size  # lm_head
     elements = float(cfg.d_model * cfg.vocab_size)
-    for kind, (a, m), (ba, bm), c in zip(cfg.layer_kinds, take, busy, cached, strict=True):
+    shares = [1.0] * cfg.n_layers if expert_share is None else expert_share
+    rows = zip(cfg.layer_kinds, take, busy, cached, shares, strict=True)
+    for kind, (a, m), (ba, bm), c, es in rows:
         cost = BLOCKS[kind].cost
-        work = cost(cfg, 1, attn=a, mlp=m, keys=c * context)
+        work = cost(cfg, 1, attn=a, mlp=m, keys=c * context, expert_share=es)
         flops += work.flops
-        weights = cost(cfg, 1, attn=ba, mlp=bm, keys=0).params
+        weights = cost(cfg, 1, attn=ba, mlp=bm, keys=0, expert_share=es).params
         elements += weights + batch_size * work.kv_entries * Attention.kv_entry(cfg)
     return flops, elements * element_size
 
@@ -309,6 +343,13 @@ def format_report(report: FlopReport) -> str:
         lines.append(
             f"{'KV-cache bytes per token':<30} {kv:>14.4g} {d.kv_bytes_per_token:>14.4g} "
             f"{kv / d.kv_bytes_per_token:>8.3f}"
+        )
+    if cfg.has_experts:
+        lines.append(
+            f"experts: {cfg.n_experts} real (+{cfg.n_noop_experts} no-op), top-"
+            f"{cfg.experts_per_token}; share of slots run by a real expert per layer "
+            + ", ".join(f"{lf.expert_share:.1%}" for lf in report.layers)
+            + " (with no share given: the bound, what the layers can run at most)"
         )
     if report.take_rate:
         lines.append("decode assumes take-rates " + ", ".join(f"{t:.1%}" for t in report.take_rate))

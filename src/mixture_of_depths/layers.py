@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import MoDConfig
+from .experts import ExpertMLP
 from .routing import linear32
 
 # A KV cache's hook into attention: (new k, new v, mask) -> (keys, values, mask) to attend to.
@@ -199,17 +200,28 @@ def price(
     keys: float,
     routed: float = 0.0,
     predicted: float = 0.0,
+    expert_share: float = 1.0,
 ) -> LayerCost:
     """`attn` tokens run attention (each query against `keys` keys), `mlp` tokens run the MLP,
-    a router weighs `routed` tokens and a predictor scores `predicted` (summed over routers)."""
+    a router weighs `routed` tokens and a predictor scores `predicted` (summed over routers).
+
+    With experts (`cfg.has_experts`), each of the `mlp` tokens is weighed by the expert router and
+    fills `experts_per_token` slots, of which the share `expert_share` runs a real expert (the
+    rest chose a no-op expert or were dropped by the capacity: they cost nothing)."""
+    if cfg.has_experts:
+        slots = mlp * cfg.experts_per_token * expert_share
+        mlp_work, mlp_router = slots * ExpertMLP.params(cfg), mlp * ExpertMLP.router_params(cfg)
+    else:
+        mlp_work, mlp_router = mlp * MLP.params(cfg), 0.0
     return LayerCost(
         attn_tokens=attn,
-        matmul=2 * (attn * Attention.params(cfg) + mlp * MLP.params(cfg)),
+        matmul=2 * (attn * Attention.params(cfg) + mlp_work),
         attention=attn * keys * Attention.flops_per_key(cfg),
-        router=routed * 2 * cfg.d_model,
+        router=routed * 2 * cfg.d_model + 2 * mlp_router,
         predictor=predicted * Predictor.flops_per_token(cfg),
         params=attn * Attention.params(cfg)
-        + mlp * MLP.params(cfg)
+        + mlp_work
+        + mlp_router
         + routed * cfg.d_model
         + predicted * Predictor.params(cfg),
         kv_entries=attn * keys,

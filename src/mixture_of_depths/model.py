@@ -185,12 +185,18 @@ class Block(nn.Module):
 
     @staticmethod
     def cost(
-        cfg: MoDConfig, tokens: float, attn: Count = None, mlp: Count = None, keys: Count = None
+        cfg: MoDConfig,
+        tokens: float,
+        attn: Count = None,
+        mlp: Count = None,
+        keys: Count = None,
+        expert_share: float = 1.0,
     ) -> LayerCost:
         """The layer's work when `tokens` tokens reach it: `attn` / `mlp` of them run each
         sub-block where the kind lets tokens choose (default: top-k's choice; given: causal
         routing, as in decoding), and each attention query sees `keys` keys (default: all the
-        tokens that run attention)."""
+        tokens that run attention). With experts, `expert_share` of the MLP's slots run a real
+        expert (`layers.price`)."""
         raise NotImplementedError
 
 
@@ -206,9 +212,16 @@ class DenseBlock(Block):
 
     @staticmethod
     def cost(
-        cfg: MoDConfig, tokens: float, attn: Count = None, mlp: Count = None, keys: Count = None
+        cfg: MoDConfig,
+        tokens: float,
+        attn: Count = None,
+        mlp: Count = None,
+        keys: Count = None,
+        expert_share: float = 1.0,
     ) -> LayerCost:
-        return price(cfg, tokens, tokens, tokens if keys is None else keys)
+        return price(
+            cfg, tokens, tokens, tokens if keys is None else keys, expert_share=expert_share
+        )
 
 
 class RoutedBlock(Block):
@@ -341,7 +354,12 @@ class RoutedBlock(Block):
 
     @staticmethod
     def cost(
-        cfg: MoDConfig, tokens: float, attn: Count = None, mlp: Count = None, keys: Count = None
+        cfg: MoDConfig,
+        tokens: float,
+        attn: Count = None,
+        mlp: Count = None,
+        keys: Count = None,
+        expert_share: float = 1.0,
     ) -> LayerCost:
         routers = 1 if cfg.routing == "joint" else 2  # staggered: attention's and the MLP's
         predicted = tokens * routers if cfg.causal_router == "predictor" else 0.0
@@ -354,7 +372,8 @@ class RoutedBlock(Block):
             routed = attn if cfg.routing == "joint" else attn + mlp
         else:  # causal, aux_loss mode: the router's weight is every token's decision
             routed = tokens * routers
-        return price(cfg, attn, mlp, attn if keys is None else keys, routed, predicted)
+        keys = attn if keys is None else keys
+        return price(cfg, attn, mlp, keys, routed, predicted, expert_share)
 
 
 # One class per letter of `layer_pattern` (config.LAYER_KINDS says what each letter means).
