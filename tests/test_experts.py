@@ -11,7 +11,13 @@ from helpers import V, random_tokens, tiny_config
 from helpers import make_model as _make_model
 
 from mixture_of_depths import MoDConfig, MoDTransformer, generate
-from mixture_of_depths.experts import ExpertMLP, ExpertRoute, balance_loss, z_loss
+from mixture_of_depths.experts import (
+    ExpertMLP,
+    ExpertRoute,
+    balance_loss,
+    ran_real_expert,
+    z_loss,
+)
 from mixture_of_depths.generate import generate_reference
 
 
@@ -179,3 +185,35 @@ def test_expert_config_is_checked():
     with pytest.raises(ValueError, match="expert_capacity_factor must be"):
         MoDConfig(n_experts=2, expert_capacity_factor=float("nan"))
     assert MoDConfig(n_experts=4, experts_per_token=2).d_ff_expert == MoDConfig().d_ff // 2
+
+
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_tokens_that_ran_a_real_expert_map_back_to_the_sequence(routing):
+    """A routed block's expert layer sees only its router's tokens: mapped back to (B, T), a
+    token ran a real expert only if it took the block, and every kept slot lands on one token."""
+    model = _make_model(tiny_config(layer_pattern="RD", n_experts=3, n_noop_experts=2))
+    idx = random_tokens(3, 20, seed=4)
+    out = model(idx, routing=routing)
+    take = {r.layer: r.mask for r in out.routes}
+    assert [er.layer for er in out.expert_routes] == [0, 1, 2, 3]
+    for er in out.expert_routes:
+        ran = ran_real_expert(er, out.routes)
+        assert ran.shape == idx.shape
+        if er.layer in take:
+            assert not (ran & ~take[er.layer]).any()
+            if routing == "topk":  # the gathered tokens, one record each
+                assert int(ran.sum()) == int(er.kept.any(-1).sum())
+            else:  # every token computed; the skippers' results were thrown away
+                assert torch.equal(ran, er.kept.any(-1) & take[er.layer])
+        else:
+            assert torch.equal(ran, er.kept.any(-1))
+    no_noop = _make_model(tiny_config(layer_pattern="RD", n_experts=3))
+    out = no_noop(idx, routing=routing)
+    for er in out.expert_routes:  # no no-ops, no capacity: exactly the takers ran an expert
+        want = take_of(out, er.layer, idx)
+        assert torch.equal(ran_real_expert(er, out.routes), want)
+
+
+def take_of(out, layer: int, idx: torch.Tensor) -> torch.Tensor:
+    masks = [r.mask for r in out.routes if r.layer == layer]
+    return masks[0] if masks else torch.ones_like(idx, dtype=torch.bool)

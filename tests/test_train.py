@@ -15,6 +15,7 @@ from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.cli import main
 from mixture_of_depths.data import ByteTokenizer
+from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.train import TrainConfig, lr_at, train
 
 
@@ -287,3 +288,26 @@ def test_cli_generate_streams_what_generate_samples(corpus: Path, tmp_path: Path
     assert 0 < share < 1  # precondition: some tokens took the routed block and some skipped it
     assert "routed blocks taken per token (of 1)" in plain and f"L1 {share:.0%}" in plain
     assert main([*base, "--max-new-tokens", "0"]) == 2  # a clear error, not a crash
+
+
+def test_expert_runs_log_what_the_experts_ran(corpus: Path, tmp_path: Path):
+    """Per expert layer, training logs the share of slots that ran a real expert (at most the
+    capacity's bound) and evaluation the share of tokens; without no-ops or a capacity, both 1."""
+    drop = MoDConfig(
+        **{**TINY, "n_experts": 4, "expert_capacity_factor": 0.5, "layer_pattern": "D"}
+    )
+    s = train(drop, tc(corpus, tmp_path / "drop"), progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["expert_share"] for r in rows if "expert_share" in r]
+    assert len(logged) == 6 and set(logged[0]) == {"0", "1"}
+    bound = estimate_flops(drop, 32, batch_size=4).layers[0].expert_share
+    assert all(0 < v <= bound for r in logged for v in r.values())
+    assert s["train_expert_share"] == pytest.approx(
+        {k: sum(r[k] for r in logged) / 6 for k in ("0", "1")}
+    )
+    assert s["expert_take_rate"] == {"0": 1.0, "1": 1.0}  # evaluation never drops
+    plain = MoDConfig(**{**TINY, "n_experts": 2, "layer_pattern": "DR"})
+    s = train(plain, tc(corpus, tmp_path / "plain", steps=2, eval_every=2), progress=False)
+    assert s["train_expert_share"] == {"0": 1.0, "1": 1.0}
+    assert s["expert_take_rate"]["0"] == 1.0
+    assert s["expert_take_rate"]["1"] == pytest.approx(s["causal_take_rate"]["1"])

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import MoDConfig
-from .routing import linear32
+from .routing import Route, linear32
 
 
 @dataclass
@@ -178,3 +178,22 @@ def balance_loss(route: ExpertRoute) -> Tensor:
 def z_loss(route: ExpertRoute) -> Tensor:
     """ST-MoE's router z-loss: mean squared log-sum-exp of the router logits."""
     return route.logits.logsumexp(-1).square().mean()
+
+
+def ran_real_expert(route: ExpertRoute, routes: list[Route]) -> Tensor:
+    """(B, T) bool over the sequence: the tokens that ran a real expert in `route`'s layer.
+
+    A routed block's expert layer sees only the tokens its router sent (top-k: the gathered k of
+    each row, in position order; causal: every token computes, but only the takers keep the
+    result), so its record is mapped back through that router's mask (`routes`, the forward's
+    MoD routes); a skipper never ran an expert."""
+    ran = route.kept.any(-1)
+    gate = [r for r in routes if r.layer == route.layer and r.kind in ("block", "mlp")]
+    if not gate:  # a dense block: every token reached the layer
+        return ran
+    take = gate[0].mask.to(ran.device)
+    if ran.shape == take.shape:
+        return ran & take
+    out = torch.zeros_like(take)
+    out[take] = ran.reshape(-1)
+    return out

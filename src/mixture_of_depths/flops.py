@@ -349,7 +349,7 @@ def format_report(report: FlopReport) -> str:
             f"experts: {cfg.n_experts} real (+{cfg.n_noop_experts} no-op), top-"
             f"{cfg.experts_per_token}; share of slots run by a real expert per layer "
             + ", ".join(f"{lf.expert_share:.1%}" for lf in report.layers)
-            + " (with no share given: the bound, what the layers can run at most)"
+            + " (as given, else the bound: the most the layers can run)"
         )
     if report.take_rate:
         lines.append("decode assumes take-rates " + ", ".join(f"{t:.1%}" for t in report.take_rate))

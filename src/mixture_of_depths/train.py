@@ -50,6 +50,7 @@ from .checks import (
 )
 from .config import MoDConfig
 from .data import BatchSampler, Tokenizer, eval_batches, load_splits, load_tokenizer
+from .experts import ran_real_expert
 from .fileio import atomic_write_text, fsync_dir, json_text, write_json
 from .model import MoDOutput, MoDTransformer
 from .precision import autocast_for
@@ -193,6 +194,7 @@ def evaluate(
     sums: dict[str, float] = {"topk": 0.0, "causal": 0.0}
     acc: dict[str, float] = {}
     take: dict[str, float] = {}
+    experts: dict[str, float] = {}
     dense = model.config.is_dense
     try:
         for x, y in batches:
@@ -204,12 +206,14 @@ def evaluate(
                 acc[key] = acc.get(key, 0.0) + a
             if dense:  # both modes are the same computation for a dense model
                 sums["causal"] += out.lm_loss.item()
+                _add_expert_take(experts, out)
                 continue
             with autocast_for(device):
                 out = model(x, y, routing="causal")
             sums["causal"] += out.lm_loss.item()
             for r in out.routes:
                 take[r.name] = take.get(r.name, 0.0) + r.mask.float().mean().item()
+            _add_expert_take(experts, out)
     finally:
         model.train(was_training)
     n = max(1, len(batches))
@@ -218,7 +222,24 @@ def evaluate(
         "val_loss_causal": sums["causal"] / n,
         "routing_accuracy": {k: v / n for k, v in acc.items()},
         "causal_take_rate": {k: v / n for k, v in take.items()},
+        **({"expert_take_rate": {k: v / n for k, v in experts.items()}} if experts else {}),
     }
+
+
+def _add_expert_take(acc: dict[str, float], out: MoDOutput) -> None:
+    """Per expert layer, add the share of the sequence's tokens that ran a real expert."""
+    for er in out.expert_routes:
+        key = str(er.layer)
+        acc[key] = acc.get(key, 0.0) + ran_real_expert(er, out.routes).float().mean().item()
+
+
+def expert_slot_shares(out: MoDOutput) -> dict[str, float]:
+    """Per expert layer of a forward, the share of its token slots that ran a real expert (the
+    rest chose a no-op expert or were dropped): what `estimate_flops(expert_share=...)` takes."""
+    if not out.expert_routes:
+        return {}
+    shares = torch.stack([er.kept.float().mean() for er in out.expert_routes]).tolist()
+    return {str(er.layer): v for er, v in zip(out.expert_routes, shares, strict=True)}
 
 
 class MetricsLog:
@@ -627,6 +648,7 @@ def _log_step(
         "lm_loss": out.lm_loss.item(),
         "aux_loss": out.aux_loss.item(),
         **({"moe_loss": out.moe_loss.item()} if out.moe_loss is not None else {}),
+        **({"expert_share": expert_slot_shares(out)} if out.expert_routes else {}),
         "lr": lr,
         "grad_norm": grad_norm.item(),
         "tokens_per_s": tok_s,
@@ -676,6 +698,20 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
     return ev
 
 
+def mean_expert_share(metrics_path: Path) -> dict[str, float]:
+    """Per expert layer, the mean over the logged training steps of the share of slots that ran
+    a real expert (read from the log, so a resumed run counts its steps before the resume)."""
+    sums: dict[str, float] = {}
+    n = 0
+    for line in metrics_path.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if "expert_share" in rec:
+            n += 1
+            for k, v in rec["expert_share"].items():
+                sums[k] = sums.get(k, 0.0) + v
+    return {k: v / n for k, v in sums.items()}
+
+
 def _finish(run: _Run, last_eval: dict[str, Any]) -> dict[str, Any]:
     """The run's summary (also written to summary.json) and its loss plot."""
     tc = run.tc
@@ -690,6 +726,8 @@ def _finish(run: _Run, last_eval: dict[str, Any]) -> dict[str, Any]:
         "capacity": run.model_config.capacity,
         **last_eval,
     }
+    if run.model_config.has_experts:
+        summary["train_expert_share"] = mean_expert_share(run.out_dir / "metrics.jsonl")
     write_json(run.out_dir / "summary.json", summary)
     try:
         plot_metrics(run.out_dir / "metrics.jsonl", run.out_dir / "loss.png")
@@ -766,6 +804,9 @@ def format_eval(step: int, ev: dict[str, Any]) -> str:
     if ev["causal_take_rate"]:
         take = ", ".join(f"L{k} {v:.1%}" for k, v in ev["causal_take_rate"].items())
         parts.append(f"causal take-rate {take}")
+    if ev.get("expert_take_rate"):
+        rate = ", ".join(f"L{k} {v:.1%}" for k, v in ev["expert_take_rate"].items())
+        parts.append(f"tokens running a real expert {rate}")
     return " | ".join(parts)
 
 
@@ -779,6 +820,12 @@ def format_eval_lines(ev: dict[str, Any]) -> list[str]:
         take = ev["causal_take_rate"].get(k)
         extra = f", causal take-rate {take:.1%}" if take is not None else ""
         lines.append(f"routing accuracy layer {k}: {v:.2%}{extra}")
+    if ev.get("expert_take_rate"):
+        rate = ", ".join(f"L{k} {v:.1%}" for k, v in ev["expert_take_rate"].items())
+        lines.append(f"tokens running a real expert (causal forward): {rate}")
+    if ev.get("train_expert_share"):
+        share = ", ".join(f"L{k} {v:.1%}" for k, v in ev["train_expert_share"].items())
+        lines.append(f"expert slots run in training (mean over logged steps): {share}")
     return lines
 
 
