@@ -184,14 +184,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "study",
-        help="the isoFLOP study: MoD against dense at equal training FLOPs (resumable)",
+        help="the isoFLOP studies: MoD against dense, or MoD/MoE/MoDE (--plan mode), at equal "
+        "training FLOPs (resumable)",
         description="Train dense and MoD models of several sizes to fixed training-FLOP budgets, "
         "plus ablations, and write results.jsonl, report.md and plots. Rerun to resume.",
     )
     p.add_argument(
-        "--out", default="docs/study", help="results, report, plots (default: %(default)s)"
+        "--plan",
+        default="isoflop",
+        choices=["isoflop", "mode"],
+        help="isoflop: MoD against dense over sizes, with ablations; mode: dense, MoD, MoE, MoE "
+        "with dropping, staged and integrated MoDE (default: %(default)s)",
     )
-    p.add_argument("--work", default="runs/study", help="run folders (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results, report, plots (default: docs/study, or docs/study/mode for --plan mode)",
+    )
+    p.add_argument(
+        "--work",
+        default=None,
+        help="run folders (default: runs/study, or runs/study-mode for --plan mode)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
     p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
     p.add_argument("--keep-checkpoints", action="store_true")
@@ -415,7 +429,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from .study import study
+    from .study import PLAN_DIRS, study
 
     results = study(
         args.out,
@@ -424,8 +438,10 @@ def cmd_study(args: argparse.Namespace) -> int:
         data=args.data,
         keep_checkpoints=args.keep_checkpoints,
         progress=not args.no_progress,
+        plan_name=args.plan,
     )
-    print(f"{len(results)} runs in {args.out}/results.jsonl; report: {args.out}/report.md")
+    out = args.out or PLAN_DIRS[args.plan][0]
+    print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
     return 0
 
 

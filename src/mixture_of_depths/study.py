@@ -97,6 +97,13 @@ ABLATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
+# Each plan's default results folder (committed) and run folder (checkpoints, deleted per run).
+PLAN_DIRS = {
+    "isoflop": ("docs/study", "runs/study"),
+    "mode": ("docs/study/mode", "runs/study-mode"),
+}
+
+
 @dataclass(frozen=True)
 class RunSpec:
     name: str
@@ -184,7 +191,7 @@ def run_one(
         None if resume else cfg, tc, resume=resume, overwrite=not resume, progress=progress
     )
     acc = summary["routing_accuracy"]
-    return {
+    row = {
         **dataclasses.asdict(spec),
         "steps": steps,
         "tokens": summary["tokens"],
@@ -200,6 +207,19 @@ def run_one(
         "tokens_per_s": summary["tokens"] / max(summary["train_time_s"], 1e-9),
         "wall_s": time.perf_counter() - t0,
     }
+    if cfg.has_experts:
+        # The budget charged the bound (every slot a real expert, or the capacity's share);
+        # these are what the run actually spent, from the shares it logged in training.
+        ran = summary["train_expert_share"]
+        shares = [ran.get(str(i), 0.0) for i in range(cfg.n_layers)]
+        spent = estimate_flops(
+            cfg, settings.seq_len, settings.batch_size, with_dense=False, expert_share=shares
+        )
+        row["train_expert_share"] = ran
+        row["expert_take_rate"] = summary.get("expert_take_rate", {})
+        row["flops_per_forward_token_spent"] = spent.forward_per_token
+        row["flops_spent"] = steps * spent.train
+    return row
 
 
 def load_results(path: Path) -> list[dict[str, Any]]:
@@ -215,21 +235,34 @@ def load_results(path: Path) -> list[dict[str, Any]]:
 
 
 def study(
-    out: str | Path = "docs/study",
-    work: str | Path = "runs/study",
+    out: str | Path | None = None,
+    work: str | Path | None = None,
     quick: bool = False,
     data: str | None = None,
     keep_checkpoints: bool = False,
     progress: bool = True,
+    plan_name: str = "isoflop",
 ) -> list[dict[str, Any]]:
-    """Run (or resume) the study; returns all results and writes the report and plots."""
-    settings = QUICK if quick else FULL
-    out, work = Path(out), Path(work)
+    """Run (or resume) the study `plan_name` ("isoflop": MoD against dense over sizes, with
+    ablations; "mode": dense, MoD, MoE and MoDE, see `study_mode`); returns all results and writes
+    the report and plots. `out` / `work` default to the plan's folders (`PLAN_DIRS`)."""
+    if plan_name not in PLAN_DIRS:
+        raise ValueError(f"plan must be one of {sorted(PLAN_DIRS)}, got {plan_name!r}")
+    if plan_name == "mode":
+        from . import study_mode
+
+        settings = study_mode.QUICK if quick else study_mode.FULL
+        plan_fn, report_fn = study_mode.plan, study_mode.write_report
+    else:
+        settings = QUICK if quick else FULL
+        plan_fn, report_fn = plan, write_report
+    out = Path(PLAN_DIRS[plan_name][0] if out is None else out)
+    work = Path(PLAN_DIRS[plan_name][1] if work is None else work)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
     results = load_results(results_path)
     done = {r["name"] for r in results}
-    specs = plan(settings)
+    specs = plan_fn(settings)
     n_total = len(specs) + 2 * len(settings.budgets)
     bar = tqdm(total=n_total, initial=len(done), desc="study", unit="run", disable=not progress)
     pending = list(specs)
@@ -244,7 +277,7 @@ def study(
             results.append(row)
             done.add(spec.name)
             bar.update(1)
-            write_report(results, out, settings)
+            report_fn(results, out, settings)
             if not keep_checkpoints:
                 shutil.rmtree(work / spec.name, ignore_errors=True)
         for budget in settings.budgets:  # a budget's isoFLOP runs done: plan its second seeds
@@ -253,7 +286,7 @@ def study(
                 seeded.add(budget)
                 pending.extend(seed_specs(results, budget))
     bar.close()
-    write_report(results, out, settings)
+    report_fn(results, out, settings)
     return results
 
 

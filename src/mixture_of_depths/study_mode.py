@@ -1,0 +1,247 @@
+"""`mod study --plan mode`: Mixture-of-Depths-and-Experts at equal training FLOPs.
+
+At each budget, one model shape trained as: dense; MoD (every other block routed, 12.5%); MoE (4
+SwiGLU experts of the dense MLP's size, token-choice top-1: the same active parameters as dense);
+MoE with capacity factor 0.5 (the overflow dropped in training); staged MoDE (MoD's routing with
+MoE's experts); integrated MoDE (4 real + 4 no-op experts); and integrated MoDE with the same
+capacity factor 0.5 as the dropping baseline. The two best of each budget train again with a
+second seed. The paper's two claims (arXiv:2404.02258, section 3.6) are then read off the table:
+MoDE improves on MoE, and integrated MoDE beats lowering the capacity and dropping.
+
+FLOPs: each run trains for floor(budget / training FLOPs per step), counted by `estimate_flops`
+with its default expert share, the bound: every slot runs a real expert, or at most the
+capacity's share. No run is charged less than it can spend, so no variant buys steps with
+compute it might not save; integrated MoDE without a capacity is charged as MoE is (its no-op
+savings are learned, not guaranteed), and the variant with capacity 0.5 is charged exactly what
+the dropping baseline is. What each run actually spent (from the shares it logged) is reported
+beside it. Runs, resumption and the report machinery are `study.py`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .fileio import atomic_write_text, json_text
+from .study import RunSpec, StudySettings, _budget_tag, _mean_seeds, _seed_gaps
+
+EXPERTS = dict(n_experts=4, experts_per_token=1)
+ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
+    ("dense", "dense", dict(layer_pattern="D")),
+    ("MoD", "mod", dict(layer_pattern="DR", capacity=0.125)),
+    ("MoE", "moe", dict(layer_pattern="D", **EXPERTS)),
+    (
+        "MoE, capacity 0.5 (drops)",
+        "moe-drop",
+        dict(layer_pattern="D", **EXPERTS, expert_capacity_factor=0.5),
+    ),
+    ("staged MoDE", "staged", dict(layer_pattern="DR", capacity=0.125, **EXPERTS)),
+    ("integrated MoDE", "integrated", dict(layer_pattern="D", **EXPERTS, n_noop_experts=4)),
+    (
+        "integrated MoDE, capacity 0.5",
+        "integrated-cap",
+        dict(layer_pattern="D", **EXPERTS, n_noop_experts=4, expert_capacity_factor=0.5),
+    ),
+)
+
+# The isoFLOP study's best size at these budgets (docs/study/report.md), its two smaller budgets.
+FULL = StudySettings(
+    budgets=(5e12, 1.6e13),
+    sizes=(("XS", dict(d_model=64, n_layers=4, n_heads=4)),),
+    seq_len=256,
+    batch_size=16,
+    eval_every_runs=2,
+    eval_batches=8,
+    base=dict(max_seq_len=256),
+    ablation_size="XS",
+)
+
+QUICK = StudySettings(
+    budgets=(2e9, 6e9),
+    sizes=(("S", dict(d_model=32, n_layers=2, n_heads=2)),),
+    seq_len=32,
+    batch_size=4,
+    eval_every_runs=1,
+    eval_batches=1,
+    base=dict(max_seq_len=32),
+    ablation_size="S",
+)
+
+
+def plan(settings: StudySettings) -> list[RunSpec]:
+    """Every architecture at every budget, one size (second seeds come once a budget is done)."""
+    size, shape = settings.sizes[0]
+    return [
+        RunSpec(
+            name=f"{_budget_tag(budget)}-{tag}-{size}-s0",
+            group="isoflop",
+            label=label,
+            budget=budget,
+            model={**settings.base, **shape, **over},
+        )
+        for budget in settings.budgets
+        for label, tag, over in ARCHS
+    ]
+
+
+def judged_loss(r: dict[str, Any]) -> float:
+    """The loss a model is judged by: causal where MoD routing makes it differ (what generation
+    gets); for the others both modes are one computation (no dropping outside training)."""
+    return r["val_loss_causal"]
+
+
+# -- findings --------------------------------------------------------------------------------------
+CLAIMS = (
+    ("MoDE improves on MoE", ("staged MoDE", "integrated MoDE"), "MoE"),
+    (
+        "integrated MoDE beats MoE that drops at capacity 0.5",
+        ("integrated MoDE, capacity 0.5", "integrated MoDE"),
+        "MoE, capacity 0.5 (drops)",
+    ),
+)
+
+
+def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per budget: each architecture's loss (mean over seeds), the seed spread, and each claim's
+    verdict: the better of its MoDE variants against its baseline, a difference beyond the spread
+    or not."""
+    out: dict[str, Any] = {"budgets": []}
+    for budget in sorted({r["budget"] for r in results}):
+        rows = [r for r in results if r["budget"] == budget]
+        loss = _mean_seeds([{**r, "judged": judged_loss(r)} for r in rows], "judged")
+        gaps = _seed_gaps(rows)
+        spread = max(gaps.values()) if gaps else None
+        claims = []
+        for text, contenders, base in CLAIMS:
+            have = [c for c in contenders if c in loss]
+            if base not in loss or not have:
+                continue
+            best = min(have, key=loss.get)
+            diff = loss[base] - loss[best]  # > 0: the MoDE variant is better
+            if spread is None:
+                verdict = "no second seed yet"
+            elif abs(diff) <= spread:
+                verdict = "within the seed spread: not shown at this scale"
+            else:
+                verdict = "holds" if diff > 0 else "does not hold (the baseline is better)"
+            claims.append(
+                {
+                    "claim": text,
+                    "best": best,
+                    "best_loss": loss[best],
+                    "baseline": base,
+                    "baseline_loss": loss[base],
+                    "gain": diff / loss[base],
+                    "verdict": verdict,
+                }
+            )
+        out["budgets"].append(
+            {"budget": budget, "loss": loss, "seed_spread": spread, "claims": claims}
+        )
+    return out
+
+
+def format_findings(f: dict[str, Any]) -> list[str]:
+    lines = ["## The paper's claims at this scale", ""]
+    for b in f["budgets"]:
+        sp = "no second seed yet" if b["seed_spread"] is None else f"{b['seed_spread']:.4f}"
+        lines.append(f"Budget {b['budget']:.1e} FLOPs (seed spread {sp}):")
+        lines.append("")
+        for c in b["claims"]:
+            lines.append(
+                f"- {c['claim']}: {c['verdict']}. Best MoDE variant {c['best']} "
+                f"{c['best_loss']:.4f} against {c['baseline']} {c['baseline_loss']:.4f} "
+                f"({100 * c['gain']:+.2f}%)."
+            )
+        lines.append("")
+    return lines
+
+
+# -- report ----------------------------------------------------------------------------------------
+_HEADER = (
+    "| model | seed | params | FLOPs/fwd token charged | spent | steps | val loss top-k | "
+    "val loss causal | train tok/s | tokens running a real expert (eval), per layer | "
+    "expert slots run in training, per layer |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _shares(d: dict[str, float] | None) -> str:
+    return "" if not d else " ".join(f"{100 * v:.0f}%" for v in d.values())
+
+
+def _row(r: dict[str, Any]) -> str:
+    spent = r.get("flops_per_forward_token_spent", r["flops_per_forward_token"])
+    return (
+        f"| {r['label']} | {r['seed']} | {r['params'] / 1e6:.2f}M | "
+        f"{r['flops_per_forward_token'] / 1e6:.3f}M | {spent / 1e6:.3f}M | {r['steps']} | "
+        f"{r['val_loss_topk']:.4f} | {r['val_loss_causal']:.4f} | {r['tokens_per_s']:,.0f} | "
+        f"{_shares(r.get('expert_take_rate'))} | {_shares(r.get('train_expert_share'))} |"
+    )
+
+
+def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettings) -> None:
+    order = {label: i for i, (label, _, _) in enumerate(ARCHS)}
+    intro = [
+        "# MoDE study: dense, MoD, MoE and Mixture-of-Depths-and-Experts at equal training FLOPs",
+        "",
+        f"Default corpus, byte tokenizer, sequences of {settings.seq_len} tokens, batch "
+        f"{settings.batch_size}, one shape ({settings.sizes[0][0]}: {settings.sizes[0][1]}). "
+        "Experts: 4 SwiGLU experts of the dense MLP's size, token-choice top-1 (the same "
+        "active parameters as dense); integrated MoDE adds 4 no-op experts. Each run trains "
+        "for floor(budget / training FLOPs per step); expert layers are charged their bound "
+        "(every slot a real expert, or the capacity's share), and the FLOPs each run actually "
+        "spent are beside it. Losses are validation losses in nats per token, judged by the "
+        "causal one (what generation gets; equal to top-k where no MoD routing runs, since "
+        "nothing drops outside training). Generated by `mod study --plan mode`; plot: `mode.png`.",
+        "",
+    ]
+    body: list[str] = []
+    for budget in sorted({r["budget"] for r in results}):
+        rows = [r for r in results if r["budget"] == budget]
+        body += [f"## Budget {budget:.1e} FLOPs", "", _HEADER]
+        body += [
+            _row(r) for r in sorted(rows, key=lambda r: (order.get(r["label"], 99), r["seed"]))
+        ]
+        body.append("")
+    summary = findings(results)
+    atomic_write_text(
+        out / "report.md", "\n".join([*intro, *format_findings(summary), *body]) + "\n"
+    )
+    atomic_write_text(out / "findings.json", json_text(summary, indent=1) + "\n")
+    try:
+        _plot(results, out, summary)
+    except Exception as exc:  # plots are a convenience; the results are already saved
+        print(f"note: plot failed: {exc!r}")
+
+
+def _plot(results: list[dict[str, Any]], out: Path, summary: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = summary["budgets"]
+    labels = [label for label, _, _ in ARCHS if any(label in b["loss"] for b in budgets)]
+    if not labels:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
+    width = 0.8 / max(1, len(budgets))
+    for i, b in enumerate(budgets):
+        ref = b["loss"].get("dense")
+        if ref is None:
+            continue
+        xs = [j + (i - (len(budgets) - 1) / 2) * width for j in range(len(labels))]
+        pct = [100 * (b["loss"].get(lab, float("nan")) - ref) / ref for lab in labels]
+        ax.bar(xs, pct, width, label=f"{b['budget']:.2g} FLOPs", color=f"C{i}")
+        if b["seed_spread"] is not None:
+            band = 100 * b["seed_spread"] / ref
+            ax.errorbar(xs, pct, yerr=band, fmt="none", ecolor="black", lw=0.8, capsize=2)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("validation loss vs dense (%), lower is better")
+    ax.set_title("MoD, MoE and MoDE at equal training FLOPs (whiskers: seed spread)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "mode.png")
+    plt.close(fig)
