@@ -15,6 +15,7 @@ from mixture_of_depths.experts import (
     ExpertMLP,
     ExpertRoute,
     balance_loss,
+    grouped_mm_supported,
     ran_real_expert,
     z_loss,
 )
@@ -217,3 +218,36 @@ def test_tokens_that_ran_a_real_expert_map_back_to_the_sequence(routing):
 def take_of(out, layer: int, idx: torch.Tensor) -> torch.Tensor:
     masks = [r.mask for r in out.routes if r.layer == layer]
     return masks[0] if masks else torch.ones_like(idx, dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(n_experts=4),
+        dict(n_experts=4, experts_per_token=2, n_noop_experts=1),
+        dict(n_experts=4, expert_capacity_factor=0.5),
+    ],
+    ids=["top1", "top2-noop", "drop"],
+)
+def test_grouped_mm_fast_path_equals_the_expert_loop(kw):
+    """Where torch._grouped_mm runs (here: float32 on the CPU), it gives the loop's output and
+    gradients; float64 and misaligned rows fall back to the loop."""
+    layer = expert_layer(seed=5, **kw).float()
+    x = torch.randn(3, 20, 16, generator=torch.Generator().manual_seed(6))
+    if not grouped_mm_supported(x, layer.w13, layer.w2):
+        pytest.skip("this torch has no torch._grouped_mm for float32 on the CPU")
+    outs, grads = [], []
+    for grouped in (True, False):
+        layer.use_grouped_mm = grouped
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y, route = layer(xi, drop=True)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y.detach())
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for g, r in zip(*grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    assert not grouped_mm_supported(x.double(), layer.w13.double(), layer.w2.double())
+    odd = expert_layer(n_experts=2, d_ff_expert=18)  # rows of 18 float32 = 72 bytes: not 16-aligned
+    assert not grouped_mm_supported(x, odd.w13.float(), odd.w2.float())

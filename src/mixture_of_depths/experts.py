@@ -10,9 +10,11 @@ residual stream). docs/semantics.md ("Experts") states the rules; in short:
   ``ceil(factor * tokens * experts_per_token / n_experts)`` slots, first choices before second
   ones, earlier positions before later ones, then lower rows: the rest are dropped.
 
-Computation: slots are sorted by expert and each expert runs once on its contiguous slice (a loop
-over experts, never over tokens), and results are added back with `index_add`. The slice bounds
-reach the host once per layer call (the one host sync of an expert layer).
+Computation: slots are sorted by expert and each expert runs once on its contiguous slice, and
+results are added back with `index_add`. The experts run as two `torch._grouped_mm` calls where
+the running torch supports them on that device and dtype (`grouped_mm_supported`), else as a loop
+over experts (never over tokens), the reference path. Either way the slice bounds reach the host
+once per layer call: the one host sync of an expert layer.
 
 Names with shape suffixes: N tokens of the call, S = N * experts_per_token slots, E experts.
 """
@@ -60,6 +62,41 @@ def expert_capacity(cfg: MoDConfig, tokens: int) -> int | None:
     if cfg.expert_capacity_factor is None:
         return None
     return math.ceil(cfg.expert_capacity_factor * tokens * cfg.experts_per_token / cfg.n_experts)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul of `x` runs in here: autocast's where it is on, else x's own."""
+    t = x.device.type
+    return torch.get_autocast_dtype(t) if torch.is_autocast_enabled(t) else x.dtype
+
+
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
+    """Whether the running torch has `torch._grouped_mm` for these tensors on their device: the
+    op exists, the dtype is one it takes (bf16, fp16, fp32; not fp64), every row is a multiple of
+    16 bytes, and a tiny call on this device type and dtype worked (probed once, then cached)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dt = _compute_dtype(x)
+    if dt not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    size = torch.empty((), dtype=dt).element_size()
+    if any(n * size % 16 for n in (x.shape[-1], w13.shape[-1], w2.shape[-2], w2.shape[-1])):
+        return False
+    key = (x.device.type, dt)
+    if key not in _GROUPED_MM_WORKS:
+        try:
+            with torch.no_grad():
+                a = torch.ones(4, 8, device=x.device, dtype=dt)
+                b = torch.ones(2, 8, 8, device=x.device, dtype=dt)
+                offs = torch.tensor([1, 4], device=x.device, dtype=torch.int32)
+                y = torch._grouped_mm(a, b, offs=offs)
+                _GROUPED_MM_WORKS[key] = bool((y == 8).all())
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_WORKS[key] = False
+    return _GROUPED_MM_WORKS[key]
 
 
 class ExpertMLP(nn.Module):
@@ -123,27 +160,42 @@ class ExpertMLP(nn.Module):
         """``sum_j p_j * expert_j(x)`` over each token's kept real-expert slots (zero for a token
         with none), and the route."""
         route = self.choose(x, drop)
-        D, k = x.shape[-1], self.cfg.experts_per_token
+        D, k, E = x.shape[-1], self.cfg.experts_per_token, self.cfg.n_experts
         x_ND = x.reshape(-1, D)
-        e_S = route.experts.reshape(-1)
-        w_S = route.probs.reshape(-1).to(x.dtype)
         tok_S = torch.arange(x_ND.shape[0], device=x.device).repeat_interleave(k)
         kept_S = route.kept.reshape(-1)
         # Sort the kept slots by expert: each expert's slots are one contiguous slice.
-        e_key = torch.where(kept_S, e_S, self.cfg.n_experts)
+        e_key = torch.where(kept_S, route.experts.reshape(-1), E)
         e_sorted, order = e_key.sort(stable=True)
-        counts = torch.bincount(e_sorted, minlength=self.cfg.n_experts + 1)
-        counts = counts[: self.cfg.n_experts].tolist()  # the one host sync
-        y_ND = torch.zeros_like(x_ND)
-        start = 0
+        counts_d = torch.bincount(e_sorted, minlength=E + 1)[:E]
+        counts = counts_d.tolist()  # the one host sync: the slices' bounds
+        order = order[: sum(counts)]
+        tok, w = tok_S[order], route.probs.reshape(-1)[order]
+        x_sorted = x_ND.index_select(0, tok)
+        if self.use_grouped_mm and grouped_mm_supported(x_sorted, self.w13, self.w2):
+            out = self._grouped(x_sorted, counts_d)
+        else:
+            out = self._looped(x_sorted, counts)
+        out = out.to(x.dtype) * w.to(x.dtype)[:, None]
+        return torch.zeros_like(x_ND).index_add(0, tok, out).view(x.shape), route
+
+    use_grouped_mm = True  # False: always the expert loop (the reference path)
+
+    def _looped(self, x_sorted: Tensor, counts: list[int]) -> Tensor:
+        """Each expert on its slice of the sorted slots (the reference path)."""
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                idx = order[start : start + n]
-                tok = tok_S[idx]
-                out = self.expert(e, x_ND.index_select(0, tok)) * w_S[idx, None]
-                y_ND = y_ND.index_add(0, tok, out)
+                outs.append(self.expert(e, x_sorted[start : start + n]))
             start += n
-        return y_ND.view(x.shape), route
+        return torch.cat(outs) if outs else x_sorted.new_zeros((0, x_sorted.shape[-1]))
+
+    def _grouped(self, x_sorted: Tensor, counts_d: Tensor) -> Tensor:
+        """All experts in two grouped matmuls (`torch._grouped_mm`, offsets = slice ends)."""
+        dt = _compute_dtype(x_sorted)
+        offs = counts_d.cumsum(0).to(torch.int32)
+        a, b = torch._grouped_mm(x_sorted.to(dt), self.w13.to(dt), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(a) * b, self.w2.to(dt), offs=offs)
 
     @staticmethod
     def params(cfg: MoDConfig) -> float:
