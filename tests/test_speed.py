@@ -108,7 +108,7 @@ def test_bench_suite_end_to_end():
         [
             sys.executable, "-m", "mixture_of_depths.cli", "bench", "--preset", "tiny",
             "--seq-lens", "48", "--tokens", "96", "--capacities", "1.0,0.25",
-            "--repeats", "1", "--warmup", "0", "--sections", "train,block,memory,decode",
+            "--repeats", "1", "--warmup", "0", "--sections", "train,block,memory,decode,experts",
             "--no-progress",
         ],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -128,6 +128,19 @@ def test_bench_suite_end_to_end():
     mem = {(r["seq_len"], r["model"]): r for r in res["memory"]}
     assert mem[48, "c=0.25"]["saved_bytes"] < mem[48, "dense"]["saved_bytes"]
     assert "## Training step" in proc.stdout and "## Training-step memory" in proc.stdout
+    # Expert rows: each beside its FLOP prediction, from the share of slots that ran an expert.
+    layers = {r["model"]: r for r in res["experts_layer"]}
+    assert {"MLP", "MoE", "MoE drop 0.5", "MoE +no-ops"} <= set(layers)
+    assert layers["MoE"]["expert_share"] == 1.0 and layers["MoE drop 0.5"]["expert_share"] <= 0.5
+    assert (
+        layers["MoE"]["speedup_flop_predicted"]
+        < 1
+        < layers["MoE drop 0.5"]["speedup_flop_predicted"]
+    )  # the router costs a little; dropping half the slots saves about half the MLP
+    models = {r["model"] for r in res["experts_model"]}
+    assert models == {"dense", "MoE", "MoE drop 0.5", "staged MoDE", "integrated"}
+    for r in res["experts_layer"] + res["experts_model"]:
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["speedup_flop_predicted"])
 
 
 def test_bench_rejects_bad_flags():

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..precision import autocast_for
 
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
@@ -44,3 +53,50 @@ def fmt_bytes(n: float | None, digits: int = 2) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+# -- timing ---------------------------------------------------------------------------------------
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    warmup: int,
+    repeats: int,
+    sync: Callable[[], None],
+    bar: tqdm | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function over `repeats` rounds after `warmup` untimed rounds;
+    every round runs each function once, in an order that rotates every round."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rnd in range(warmup + repeats):
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
+        for name in order:
+            sync()
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            if rnd >= warmup:
+                times[name].append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(1)
+    return times
+
+
+def _median_ms(ts: list[float]) -> float:
+    return 1e3 * statistics.median(ts)
+
+
+def _spread(ts: list[float]) -> float:
+    return (max(ts) - min(ts)) / statistics.median(ts)
+
+
+def train_step_fn(
+    model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, dtype: str
+) -> Callable[[], None]:
+    def step() -> None:
+        with autocast_for(idx.device, dtype):
+            loss = model(idx, targets).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step

@@ -16,6 +16,8 @@ Sections (``--sections``, all by default):
 - ``decode``: decoding tokens/s and KV cache at batch 1 and 8 (`bench.decode`).
 - ``compile``: eager against ``torch.compile(fullgraph=True)`` training steps of the dense twin
   and the MoD model at one length.
+- ``experts``: an expert layer against the dense MLP (forward + backward), and MoE / MoDE
+  training steps against the dense twin, at equal active parameters (`bench.moe`).
 
 Timing: within a section and length, every model runs one step per round and the order rotates
 every round, so drift and other processes hit all alike; the median over rounds is reported. The
@@ -32,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -48,10 +49,20 @@ from ..flops import estimate_flops
 from ..layers import rope_tables
 from ..model import BLOCKS, Block, MoDTransformer, Pass
 from ..precision import autocast_for
-from ._common import cpu_snapshot, fmt_bytes, others_busy
+from ._common import (
+    _median_ms,
+    _spread,
+    cpu_snapshot,
+    fmt_bytes,
+    interleaved,
+    others_busy,
+    train_step_fn,
+)
 from .memory import MALLOC_ENV
+from .moe import bars as expert_bars
+from .moe import bench_layers, bench_models
 
-SECTIONS = ("train", "block", "memory", "decode", "compile", "profile")
+SECTIONS = ("train", "block", "memory", "decode", "compile", "experts", "profile")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # "profile" on request: where the time of a step goes
 EFFICIENCY_BAR = 0.95  # measured speed-up / FLOP-predicted speed-up, at seq_len >= 1024
 EFFICIENCY_MIN_LEN = 1024
@@ -156,40 +167,6 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-# -- timing ---------------------------------------------------------------------------------------
-def interleaved(
-    fns: dict[str, Callable[[], Any]],
-    warmup: int,
-    repeats: int,
-    sync: Callable[[], None],
-    bar: tqdm | None = None,
-) -> dict[str, list[float]]:
-    """Seconds per call of each function over `repeats` rounds after `warmup` untimed rounds;
-    every round runs each function once, in an order that rotates every round."""
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for rnd in range(warmup + repeats):
-        order = names[rnd % len(names) :] + names[: rnd % len(names)]
-        for name in order:
-            sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            sync()
-            if rnd >= warmup:
-                times[name].append(time.perf_counter() - t0)
-            if bar is not None:
-                bar.update(1)
-    return times
-
-
-def _median_ms(ts: list[float]) -> float:
-    return 1e3 * statistics.median(ts)
-
-
-def _spread(ts: list[float]) -> float:
-    return (max(ts) - min(ts)) / statistics.median(ts)
-
-
 def model_configs(args: argparse.Namespace, seq_len: int) -> dict[str, MoDConfig]:
     """The dense twin and the routed model at each capacity, sized for `seq_len`."""
     max_len = max(seq_len, MoDConfig.preset(args.preset).max_seq_len)
@@ -200,19 +177,6 @@ def model_configs(args: argparse.Namespace, seq_len: int) -> dict[str, MoDConfig
         for c in args.capacities
     }
     return {"dense": next(iter(routed.values())).dense_twin(), **routed}
-
-
-def train_step_fn(
-    model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, dtype: str
-) -> Callable[[], None]:
-    def step() -> None:
-        with autocast_for(idx.device, dtype):
-            loss = model(idx, targets).loss
-        loss.backward()
-        for p in model.parameters():
-            p.grad = None
-
-    return step
 
 
 def _tokens(args: argparse.Namespace, batch: int, seq_len: int, device: torch.device) -> Any:
@@ -611,6 +575,29 @@ _TABLES: dict[str, tuple[str, list[tuple[str, int, Any]]]] = {
             ("vs dense", 9, lambda r: _x(r["saved_ratio"])),
         ],
     ),
+    "experts_layer": (
+        "Expert layer (forward + backward) vs the dense MLP of the same active size, same input",
+        [
+            ("T", 5, "seq_len"),
+            ("layer", -21, "model"),
+            ("path", -10, "path"),
+            ("real", 6, lambda r: "" if r["expert_share"] is None else _pct(r["expert_share"])),
+            ("ms", 8, lambda r: f"{r['ms']:.2f}"),
+            *_SPEED_COLUMNS,
+        ],
+    ),
+    "experts_model": (
+        "MoE and MoDE training steps vs the dense twin (equal active parameters)",
+        [
+            ("T", 5, "seq_len"),
+            ("batch", 5, "batch_size"),
+            ("model", -13, "model"),
+            ("real", 6, lambda r: "" if r["expert_share"] is None else _pct(r["expert_share"])),
+            ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"),
+            ("tokens/s", 9, lambda r: f"{r['tokens_per_s']:,.0f}"),
+            *_SPEED_COLUMNS,
+        ],
+    ),
     "compile": (
         "Eager vs torch.compile(fullgraph=True), training step",
         [
@@ -673,6 +660,7 @@ def bars(result: dict) -> dict:
     if mem:
         worst = max(r["saved_ratio"] for r in mem)
         out["memory_saved_ratio"] = {"value": worst, "bar": 1.0, "pass": worst < 1.0}
+    out.update(expert_bars(result.get("experts_layer") or [], EFFICIENCY_MIN_LEN))
     return out
 
 
@@ -691,6 +679,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "block": 2 * n_models * rounds * len(args.seq_lens),
             "memory": n_models * len(args.seq_lens),
             "compile": 4 * rounds,
+            "experts": (7 + 5) * rounds * len(args.seq_lens),
         }.get(s, 0)
     print(
         f"mod bench: preset={args.preset} pattern={args.layer_pattern} "
@@ -713,6 +702,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["memory"] = bench_memory(args, bar)
             elif section == "compile":
                 result["compile"] = bench_compile(args, device, sync, bar)
+            elif section == "experts":
+                result["experts_layer"] = bench_layers(args, device, sync, bar)
+                result["experts_model"] = bench_models(args, device, sync, bar)
             elif section == "profile":
                 result["profile"] = bench_profile(args, device, sync)
             elif section == "decode":
