@@ -220,16 +220,14 @@ def _plot(results: list[dict[str, Any]], out: Path, summary: dict[str, Any]) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    budgets = summary["budgets"]
+    budgets = [b for b in summary["budgets"] if "dense" in b["loss"]]  # the bars' reference
     labels = [label for label, _, _ in ARCHS if any(label in b["loss"] for b in budgets)]
     if not labels:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
     width = 0.8 / max(1, len(budgets))
     for i, b in enumerate(budgets):
-        ref = b["loss"].get("dense")
-        if ref is None:
-            continue
+        ref = b["loss"]["dense"]
         xs = [j + (i - (len(budgets) - 1) / 2) * width for j in range(len(labels))]
         pct = [100 * (b["loss"].get(lab, float("nan")) - ref) / ref for lab in labels]
         ax.bar(xs, pct, width, label=f"{b['budget']:.2g} FLOPs", color=f"C{i}")
