@@ -101,6 +101,28 @@ def test_no_host_sync_in_forward_cuda():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_expert_layers_sync_once_each_cuda():
+    """An expert layer's training forward reaches the host once (its slices' bounds)."""
+    import warnings
+
+    cfg = small_config(n_experts=4, expert_capacity_factor=0.5)
+    model = MoDTransformer(cfg).cuda()
+    idx = torch.randint(0, cfg.vocab_size, (2, 32), device="cuda")
+    model(idx, idx)  # warm-up (lazy init, the grouped-matmul probe)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(idx, idx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == cfg.n_layers, [str(w.message) for w in syncs]
+
+
 def test_bench_suite_end_to_end():
     """`mod bench` on a tiny model: every section but compile (slow on a CPU; its equivalence is
     tested above) runs, the ratios are consistent, and the last line is JSON."""

@@ -64,6 +64,14 @@ def expert_capacity(cfg: MoDConfig, tokens: int) -> int | None:
     return math.ceil(cfg.expert_capacity_factor * tokens * cfg.experts_per_token / cfg.n_experts)
 
 
+def count_ids(ids: Tensor, n: int) -> Tensor:
+    """How often each of 0..n-1 occurs in `ids`: `bincount` without its host sync (on CUDA it
+    reads the largest id to size its output)."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids)
+    )
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype a matmul of `x` runs in here: autocast's where it is on, else x's own."""
     t = x.device.type
@@ -167,7 +175,7 @@ class ExpertMLP(nn.Module):
         # Sort the kept slots by expert: each expert's slots are one contiguous slice.
         e_key = torch.where(kept_S, route.experts.reshape(-1), E)
         e_sorted, order = e_key.sort(stable=True)
-        counts_d = torch.bincount(e_sorted, minlength=E + 1)[:E]
+        counts_d = count_ids(e_sorted, E + 1)[:E]
         counts = counts_d.tolist()  # the one host sync: the slices' bounds
         order = order[: sum(counts)]
         tok, w = tok_S[order], route.probs.reshape(-1)[order]
@@ -222,7 +230,7 @@ def balance_loss(route: ExpertRoute) -> Tensor:
     that chose expert i and P_i its mean router probability; 1 when perfectly balanced."""
     n = route.logits.shape[-1]
     probs = route.logits.softmax(-1).reshape(-1, n)
-    f = torch.bincount(route.experts.reshape(-1), minlength=n).to(probs.dtype)
+    f = count_ids(route.experts.reshape(-1), n).to(probs.dtype)
     f = f / route.experts.numel()
     return n * (f * probs.mean(0)).sum()
 
