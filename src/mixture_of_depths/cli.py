@@ -461,10 +461,22 @@ def cmd_presets(args: argparse.Namespace) -> int:
     else:
         for name, row in rows.items():
             cfg = MoDConfig.preset(name)
+            experts = ""
+            if cfg.has_experts:
+                experts = (
+                    f" experts={cfg.n_experts}+{cfg.n_noop_experts} no-op "
+                    f"top-{cfg.experts_per_token} d_ff_expert={cfg.d_ff_expert}"
+                    + (
+                        ""
+                        if cfg.expert_capacity_factor is None
+                        else f" expert_capacity_factor={cfg.expert_capacity_factor}"
+                    )
+                )
             print(
-                f"{name:12s} {row['params'] / 1e6:6.2f}M params  d_model={cfg.d_model} "
+                f"{name:21s} {row['params'] / 1e6:6.2f}M params  d_model={cfg.d_model} "
                 f"n_layers={cfg.n_layers} n_heads={cfg.n_heads}/{cfg.n_kv_heads} "
                 f"max_seq_len={cfg.max_seq_len} layers={cfg.layer_kinds} capacity={cfg.capacity}"
+                + experts
             )
     return 0
 
