@@ -429,8 +429,10 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from .study import PLAN_DIRS, study
+    from .study import ISOFLOP, study
+    from .study_mode import PLAN as MODE
 
+    plan = {"isoflop": ISOFLOP, "mode": MODE}[args.plan]
     results = study(
         args.out,
         args.work,
@@ -438,9 +440,9 @@ def cmd_study(args: argparse.Namespace) -> int:
         data=args.data,
         keep_checkpoints=args.keep_checkpoints,
         progress=not args.no_progress,
-        plan_name=args.plan,
+        plan=plan,
     )
-    out = args.out or PLAN_DIRS[args.plan][0]
+    out = args.out or plan.out
     print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
     return 0
 

@@ -19,6 +19,7 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,19 @@ def load_results(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A study: its settings (full or quick), its runs, its report, and its default folders (the
+    results, committed; the runs' checkpoints, deleted per run)."""
+
+    name: str
+    settings: Callable[[bool], StudySettings]  # quick -> settings
+    runs: Callable[[StudySettings], list[RunSpec]]
+    report: Callable[[list[dict[str, Any]], Path, StudySettings], None]
+    out: str
+    work: str
+
+
 def study(
     out: str | Path | None = None,
     work: str | Path | None = None,
@@ -241,23 +255,16 @@ def study(
     data: str | None = None,
     keep_checkpoints: bool = False,
     progress: bool = True,
-    plan_name: str = "isoflop",
+    plan: Plan | None = None,
 ) -> list[dict[str, Any]]:
-    """Run (or resume) the study `plan_name` ("isoflop": MoD against dense over sizes, with
-    ablations; "mode": dense, MoD, MoE and MoDE, see `study_mode`); returns all results and writes
-    the report and plots. `out` / `work` default to the plan's folders (`PLAN_DIRS`)."""
-    if plan_name not in PLAN_DIRS:
-        raise ValueError(f"plan must be one of {sorted(PLAN_DIRS)}, got {plan_name!r}")
-    if plan_name == "mode":
-        from . import study_mode
-
-        settings = study_mode.QUICK if quick else study_mode.FULL
-        plan_fn, report_fn = study_mode.plan, study_mode.write_report
-    else:
-        settings = QUICK if quick else FULL
-        plan_fn, report_fn = plan, write_report
-    out = Path(PLAN_DIRS[plan_name][0] if out is None else out)
-    work = Path(PLAN_DIRS[plan_name][1] if work is None else work)
+    """Run (or resume) a study, by default `ISOFLOP` (MoD against dense over sizes, with
+    ablations; `study_mode.PLAN` is dense, MoD, MoE and MoDE); returns all results and writes the
+    report and plots. `out` / `work` default to the plan's folders."""
+    plan = ISOFLOP if plan is None else plan
+    settings = plan.settings(quick)
+    plan_fn, report_fn = plan.runs, plan.report
+    out = Path(plan.out if out is None else out)
+    work = Path(plan.work if work is None else work)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
     results = load_results(results_path)
@@ -288,6 +295,16 @@ def study(
     bar.close()
     report_fn(results, out, settings)
     return results
+
+
+ISOFLOP = Plan(
+    name="isoflop",
+    settings=lambda quick: QUICK if quick else FULL,
+    runs=lambda settings: plan(settings),
+    report=lambda results, out, settings: write_report(results, out, settings),
+    out="docs/study",
+    work="runs/study",
+)
 
 
 # -- report ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .fileio import atomic_write_text, json_text
-from .study import RunSpec, StudySettings, _budget_tag, _mean_seeds, _seed_gaps
+from .study import Plan, RunSpec, StudySettings, _budget_tag, _mean_seeds, _seed_gaps
 
 EXPERTS = dict(n_experts=4, experts_per_token=1)
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
@@ -243,3 +243,13 @@ def _plot(results: list[dict[str, Any]], out: Path, summary: dict[str, Any]) -> 
     fig.tight_layout()
     fig.savefig(out / "mode.png")
     plt.close(fig)
+
+
+PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)
+    name="mode",
+    settings=lambda quick: QUICK if quick else FULL,
+    runs=lambda settings: plan(settings),
+    report=lambda results, out, settings: write_report(results, out, settings),
+    out="docs/study/mode",
+    work="runs/study-mode",
+)
