@@ -179,8 +179,11 @@ def test_training_drops_only_in_the_top_k_forward():
 
 
 def test_expert_config_is_checked():
-    with pytest.raises(ValueError, match="n_noop_experts and expert_capacity_factor need"):
+    with pytest.raises(ValueError, match=r"need an expert layer.*n_noop_experts=2"):
         MoDConfig(n_noop_experts=2)
+    for field, value in (("experts_per_token", 3), ("d_ff_expert", 7)):
+        with pytest.raises(ValueError, match=f"need an expert layer.*{field}={value}"):
+            MoDConfig(**{field: value})
     with pytest.raises(ValueError, match="experts_per_token=3 is more than the 2 experts"):
         MoDConfig(n_experts=2, experts_per_token=3)
     with pytest.raises(ValueError, match="expert_capacity_factor must be"):

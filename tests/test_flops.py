@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.cache import KVCache
+from mixture_of_depths.experts import ExpertMLP
 from mixture_of_depths.flops import decode_cost, estimate_flops, format_report, layer_shares
 from mixture_of_depths.generate import decode_step, prefill
 
@@ -27,6 +28,10 @@ BASE = dict(
 
 def counted(model: MoDTransformer, idx: torch.Tensor, backward: bool = False) -> int:
     # On the CPU the fused flash kernel counts as 0: the math backend's matmuls are countable.
+    # FlopCounterMode has no formula for torch._grouped_mm either: experts run as the loop.
+    for m in model.modules():
+        if isinstance(m, ExpertMLP):
+            m.use_grouped_mm = False
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         out = model(idx, idx)
         if backward:
@@ -230,6 +235,12 @@ def test_expert_bound_and_dense_twin():
     drop = MoDConfig(**{**BASE, **EXPERTS, "expert_capacity_factor": 0.3})
     got = estimate_flops(drop, 50, batch_size=3).layers[0].expert_share
     assert got == pytest.approx(4 * math.ceil(0.3 * 150 / 4) / 150)
+    # Decoding never drops: a capacity's training share does not cut the decode figure.
+    full = estimate_flops(drop, 50, expert_share=1.0).decode_per_token
+    assert estimate_flops(drop, 50, expert_share=0.3).decode_per_token == full
+    noop = MoDConfig(**{**BASE, **EXPERTS, "n_noop_experts": 4})
+    half = estimate_flops(noop, 50, expert_share=0.5).decode_per_token
+    assert half < estimate_flops(noop, 50).decode_per_token  # no-ops do save in decoding
     with pytest.raises(ValueError, match="expert_share"):
         estimate_flops(drop, 50, expert_share=[0.5])
     with pytest.raises(ValueError, match="expert_share"):

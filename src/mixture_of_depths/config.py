@@ -162,11 +162,19 @@ class MoDConfig:
 
     def _check_experts(self) -> None:
         if self.n_experts == 0:
-            if self.n_noop_experts or self.expert_capacity_factor is not None:
+            given = {
+                "n_noop_experts": self.n_noop_experts or None,
+                "expert_capacity_factor": self.expert_capacity_factor,
+                "experts_per_token": None if self.experts_per_token == 1 else 1,
+                "d_ff_expert": self.d_ff_expert,
+            }
+            if any(v is not None for v in given.values()):
+                got = ", ".join(
+                    f"{k}={getattr(self, k)}" for k, v in given.items() if v is not None
+                )
                 raise ValueError(
-                    "n_noop_experts and expert_capacity_factor need an expert layer: set "
-                    f"n_experts > 0 (got n_experts=0, n_noop_experts={self.n_noop_experts}, "
-                    f"expert_capacity_factor={self.expert_capacity_factor})"
+                    "n_noop_experts, expert_capacity_factor, experts_per_token and d_ff_expert "
+                    f"need an expert layer: set n_experts > 0 (got n_experts=0, {got})"
                 )
             return
         if self.d_ff_expert is None:

@@ -73,18 +73,21 @@ def count_ids(ids: Tensor, n: int) -> Tensor:
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype a matmul of `x` runs in here: autocast's where it is on, else x's own."""
+    """The dtype a matmul of `x` runs in here: autocast's where it is on and casts x (it leaves
+    float64 alone), else x's own."""
     t = x.device.type
-    return torch.get_autocast_dtype(t) if torch.is_autocast_enabled(t) else x.dtype
+    if torch.is_autocast_enabled(t) and x.dtype == torch.float32:
+        return torch.get_autocast_dtype(t)
+    return x.dtype
 
 
-_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}  # (device, dtype) -> works
 
 
 def grouped_mm_supported(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
     """Whether the running torch has `torch._grouped_mm` for these tensors on their device: the
     op exists, the dtype is one it takes (bf16, fp16, fp32; not fp64), every row is a multiple of
-    16 bytes, and a tiny call on this device type and dtype worked (probed once, then cached)."""
+    16 bytes, and a tiny call on this device and dtype worked (probed once, then cached)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     dt = _compute_dtype(x)
@@ -93,7 +96,7 @@ def grouped_mm_supported(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
     size = torch.empty((), dtype=dt).element_size()
     if any(n * size % 16 for n in (x.shape[-1], w13.shape[-1], w2.shape[-2], w2.shape[-1])):
         return False
-    key = (x.device.type, dt)
+    key = (str(x.device), dt)
     if key not in _GROUPED_MM_WORKS:
         try:
             with torch.no_grad():
@@ -177,6 +180,8 @@ class ExpertMLP(nn.Module):
         e_sorted, order = e_key.sort(stable=True)
         counts_d = count_ids(e_sorted, E + 1)[:E]
         counts = counts_d.tolist()  # the one host sync: the slices' bounds
+        if sum(counts) == 0:  # every slot chose a no-op or was dropped (common in decoding)
+            return torch.zeros_like(x), route
         order = order[: sum(counts)]
         tok, w = tok_S[order], route.probs.reshape(-1)[order]
         x_sorted = x_ND.index_select(0, tok)

@@ -175,8 +175,8 @@ def estimate_flops(
     share or one per layer; the rest chose a no-op expert or were dropped and cost nothing.
     Default: the bound, the most the layers can run: 1, or with a capacity factor the
     capacity's ``n_experts * capacity / slots`` (training's top-k forward drops; decoding does
-    not, so the decode figure then assumes 1). Pass measured shares for the FLOPs a run
-    actually spent.
+    not, so with a capacity factor the decode figure assumes 1, given shares or not). Pass
+    measured shares for the FLOPs a run actually spent.
     """
     POSITIVE_INT.check("seq_len", seq_len)
     POSITIVE_INT.check("batch_size", batch_size)
@@ -217,7 +217,10 @@ def estimate_flops(
     # attends over the keys the layer caches, the same share p of the context.
     it, routed = iter(takes), set(cfg.routed_layers)
     p_layer = [next(it) if i in routed else 1.0 for i in range(cfg.n_layers)]
-    decode, _ = decode_cost(cfg, [(p, p) for p in p_layer], p_layer, context, expert_share=given)
+    # Decoding never drops: given shares that include capacity drops would undercount it.
+    decode_share = given if cfg.expert_capacity_factor is None else None
+    takes_pp = [(p, p) for p in p_layer]
+    decode, _ = decode_cost(cfg, takes_pp, p_layer, context, expert_share=decode_share)
     lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
     report = FlopReport(
         config=cfg,

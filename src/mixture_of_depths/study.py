@@ -98,13 +98,6 @@ ABLATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-# Each plan's default results folder (committed) and run folder (checkpoints, deleted per run).
-PLAN_DIRS = {
-    "isoflop": ("docs/study", "runs/study"),
-    "mode": ("docs/study/mode", "runs/study-mode"),
-}
-
-
 @dataclass(frozen=True)
 class RunSpec:
     name: str
@@ -246,6 +239,8 @@ class Plan:
     report: Callable[[list[dict[str, Any]], Path, StudySettings], None]
     out: str
     work: str
+    # the second seeds of a budget once its grid is done: (results, budget) -> runs
+    seeds: Callable[[list[dict[str, Any]], float], list[RunSpec]] = lambda r, b: seed_specs(r, b)
 
 
 def study(
@@ -291,7 +286,7 @@ def study(
             grid = [s for s in specs if s.group == "isoflop" and s.budget == budget]
             if budget not in seeded and all(s.name in done for s in grid):
                 seeded.add(budget)
-                pending.extend(seed_specs(results, budget))
+                pending.extend(plan.seeds(results, budget))
     bar.close()
     report_fn(results, out, settings)
     return results

@@ -108,10 +108,15 @@ def bench_layers(
         fns, flops, shares, paths = {}, {}, {}, {}
         for name, cfg in layer_configs(base).items():
             layer = _layer(cfg, args.seed, device)
-            share = _share(layer, x) if cfg.has_experts else 1.0
+            # The share and the fast path's support as the timed step sees them: under autocast.
+            with autocast_for(device, args.dtype):
+                share = _share(layer, x) if cfg.has_experts else 1.0
+                grouped = isinstance(layer, ExpertMLP) and grouped_mm_supported(
+                    x, layer.w13, layer.w2
+                )
             fwd = price(cfg, 0, batch * seq_len, 0, expert_share=share).flops
             variants = [(name, True)]
-            if isinstance(layer, ExpertMLP) and grouped_mm_supported(x, layer.w13, layer.w2):
+            if grouped:
                 variants.append((f"{name} (loop)", False))  # the reference path beside it
             for label, grouped in variants:
                 if isinstance(layer, ExpertMLP):
@@ -163,7 +168,7 @@ def bench_models(
             model = MoDTransformer(cfg).to(device).train()
             share = None
             if cfg.has_experts:
-                with torch.no_grad():
+                with torch.no_grad(), autocast_for(device, args.dtype):
                     routes = {r.layer: r for r in model(idx, targets).expert_routes}
                 share = [
                     float(routes[i].kept.float().mean()) if i in routes else 0.0
