@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.cache import KVCache
-from mixture_of_depths.experts import ExpertMLP
+from mixture_of_depths.experts import ExpertMLP, slot_shares
 from mixture_of_depths.flops import decode_cost, estimate_flops, format_report, layer_shares
 from mixture_of_depths.generate import decode_step, prefill
 
@@ -186,11 +186,7 @@ EXPERT_CASES = [
 
 def measured_shares(model: MoDTransformer, idx: torch.Tensor) -> list[float]:
     """Per layer, the share of expert slots that ran a real expert on this forward."""
-    routes = {r.layer: r for r in model(idx, idx).expert_routes}
-    return [
-        float(routes[i].kept.float().mean()) if i in routes else 0.0
-        for i in range(model.config.n_layers)
-    ]
+    return slot_shares(model(idx, idx).expert_routes, model.config.n_layers)
 
 
 @pytest.mark.parametrize("over", EXPERT_CASES, ids=[str(c) for c in EXPERT_CASES])

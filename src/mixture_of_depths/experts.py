@@ -180,9 +180,10 @@ class ExpertMLP(nn.Module):
         e_sorted, order = e_key.sort(stable=True)
         counts_d = count_ids(e_sorted, E + 1)[:E]
         counts = counts_d.tolist()  # the one host sync: the slices' bounds
-        if sum(counts) == 0:  # every slot chose a no-op or was dropped (common in decoding)
+        n_kept = sum(counts)
+        if n_kept == 0:  # every slot chose a no-op or was dropped (common in decoding)
             return torch.zeros_like(x), route
-        order = order[: sum(counts)]
+        order = order[:n_kept]
         tok, w = tok_S[order], route.probs.reshape(-1)[order]
         x_sorted = x_ND.index_select(0, tok)
         if self.use_grouped_mm and grouped_mm_supported(x_sorted, self.w13, self.w2):
@@ -243,6 +244,15 @@ def balance_loss(route: ExpertRoute) -> Tensor:
 def z_loss(route: ExpertRoute) -> Tensor:
     """ST-MoE's router z-loss: mean squared log-sum-exp of the router logits."""
     return route.logits.logsumexp(-1).square().mean()
+
+
+def slot_shares(routes: list[ExpertRoute], n_layers: int) -> list[float]:
+    """Per layer, the share of a forward's expert slots that ran a real expert (0 for a layer
+    with no record, a routed block that took no token): `estimate_flops(expert_share=...)`.
+    One host sync for all layers."""
+    means = torch.stack([r.kept.float().mean() for r in routes]).tolist() if routes else []
+    got = {r.layer: v for r, v in zip(routes, means, strict=True)}
+    return [got.get(i, 0.0) for i in range(n_layers)]
 
 
 def ran_real_expert(route: ExpertRoute, routes: list[Route]) -> Tensor:

@@ -50,7 +50,7 @@ from .checks import (
 )
 from .config import MoDConfig
 from .data import BatchSampler, Tokenizer, eval_batches, load_splits, load_tokenizer
-from .experts import ran_real_expert
+from .experts import ran_real_expert, slot_shares
 from .fileio import atomic_write_text, fsync_dir, json_text, write_json
 from .model import MoDOutput, MoDTransformer
 from .precision import autocast_for
@@ -236,10 +236,10 @@ def _add_expert_take(acc: dict[str, float], out: MoDOutput) -> None:
 def expert_slot_shares(out: MoDOutput) -> dict[str, float]:
     """Per expert layer of a forward, the share of its token slots that ran a real expert (the
     rest chose a no-op expert or were dropped): what `estimate_flops(expert_share=...)` takes."""
-    if not out.expert_routes:
-        return {}
-    shares = torch.stack([er.kept.float().mean() for er in out.expert_routes]).tolist()
-    return {str(er.layer): v for er, v in zip(out.expert_routes, shares, strict=True)}
+    shares = slot_shares(
+        out.expert_routes, out.expert_routes[-1].layer + 1 if out.expert_routes else 0
+    )
+    return {str(er.layer): shares[er.layer] for er in out.expert_routes}
 
 
 class MetricsLog:

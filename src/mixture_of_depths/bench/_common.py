@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -100,3 +101,10 @@ def train_step_fn(
             p.grad = None
 
     return step
+
+
+def _tokens(args: argparse.Namespace, batch: int, seq_len: int, device: torch.device) -> Any:
+    """The seeded batch every model of a comparison trains on: (inputs, targets)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
+    return data[:, :-1], data[:, 1:]

@@ -25,12 +25,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import MoDConfig
-from ..experts import ExpertMLP, grouped_mm_supported
+from ..experts import ExpertMLP, grouped_mm_supported, slot_shares
 from ..flops import estimate_flops
 from ..layers import MLP, price
 from ..model import MoDTransformer
 from ..precision import autocast_for
-from ._common import _median_ms, _spread, interleaved, train_step_fn
+from ._common import _median_ms, _spread, _tokens, interleaved, train_step_fn
 
 EXPERT_EFFICIENCY_BAR = 0.80  # the expert layer's fwd+bwd efficiency at T >= 1024
 EXPERTS = dict(n_experts=4, experts_per_token=1)
@@ -159,9 +159,7 @@ def bench_models(
     rows = []
     for seq_len in args.seq_lens:
         batch = args.tokens // seq_len
-        gen = torch.Generator().manual_seed(args.seed)
-        data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
-        idx, targets = data[:, :-1], data[:, 1:]
+        idx, targets = _tokens(args, batch, seq_len, device)
         fns, flops, shares = {}, {}, {}
         for name, cfg in model_configs(args, seq_len).items():
             torch.manual_seed(args.seed)
@@ -169,11 +167,7 @@ def bench_models(
             share = None
             if cfg.has_experts:
                 with torch.no_grad(), autocast_for(device, args.dtype):
-                    routes = {r.layer: r for r in model(idx, targets).expert_routes}
-                share = [
-                    float(routes[i].kept.float().mean()) if i in routes else 0.0
-                    for i in range(cfg.n_layers)
-                ]
+                    share = slot_shares(model(idx, targets).expert_routes, cfg.n_layers)
             fns[name] = train_step_fn(model, idx, targets, args.dtype)
             rep = estimate_flops(cfg, seq_len, batch, with_dense=False, expert_share=share)
             flops[name], shares[name] = rep.train_causal, share

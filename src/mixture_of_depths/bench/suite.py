@@ -52,6 +52,7 @@ from ..precision import autocast_for
 from ._common import (
     _median_ms,
     _spread,
+    _tokens,
     cpu_snapshot,
     fmt_bytes,
     interleaved,
@@ -177,13 +178,6 @@ def model_configs(args: argparse.Namespace, seq_len: int) -> dict[str, MoDConfig
         for c in args.capacities
     }
     return {"dense": next(iter(routed.values())).dense_twin(), **routed}
-
-
-def _tokens(args: argparse.Namespace, batch: int, seq_len: int, device: torch.device) -> Any:
-    """The seeded batch every model of a comparison trains on: (inputs, targets)."""
-    gen = torch.Generator().manual_seed(args.seed)
-    data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
-    return data[:, :-1], data[:, 1:]
 
 
 def _model(cfg: MoDConfig, args: argparse.Namespace, device: torch.device) -> MoDTransformer:
