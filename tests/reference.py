@@ -9,7 +9,9 @@ Semantics (docs/semantics.md): for a routed sub-block and one batch row, a set S
 positions is chosen (top-k of the raw router weight r = x @ w, or, causally, the tokens whose
 decision logit is > 0); the sub-block runs on the tokens of S alone, each attending to the tokens of
 S at or before its own position, rotated at its original position; token i in S becomes
-x_i + g(r_i) * f_i and every other token is left as it is.
+x_i + g(r_i) * f_i and every other token is left as it is. With ``skipped_kv="residual"`` the
+tokens of S attend instead to every token of the row at or before their position, keys and values
+made from the stream each token has at the layer's input.
 """
 
 from __future__ import annotations
@@ -92,29 +94,40 @@ class _Params:
         self.H, self.KVH, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
 
 
-def attn_update(p: _Params, xs: list[Tensor], pos: list[int]) -> list[Tensor]:
+def attn_update(
+    p: _Params,
+    xs: list[Tensor],
+    pos: list[int],
+    keys: tuple[list[Tensor], list[int]] | None = None,
+) -> list[Tensor]:
     """Attention update a_i for the tokens xs (each (D,)) at original positions pos (ascending).
 
-    Token i attends to the tokens j of this list with pos[j] <= pos[i], and to nothing else.
+    Token i attends to the tokens j of this list with pos[j] <= pos[i], and to nothing else; or,
+    with `keys` = (the stream of every token of the row, their positions) (skipped_kv="residual"),
+    to every token of that stream at or before pos[i], its key and value made from its own stream.
     """
     n = len(xs)
     H, KVH, hd = p.H, p.KVH, p.hd
     group = H // KVH  # query heads per key/value head
-    q, k, v = [], [], []
+    q = []
     for i in range(n):
         h = rms_norm(xs[i], p.attn_norm, p.eps)
         qi = (p.wq @ h).view(H, hd)
-        ki = (p.wk @ h).view(KVH, hd)
-        vi = (p.wv @ h).view(KVH, hd)
         q.append([rotate(qi[a], pos[i], p.theta) for a in range(H)])
+    kx, kpos = (xs, pos) if keys is None else keys
+    k, v = [], []
+    for j in range(len(kx)):
+        h = rms_norm(kx[j], p.attn_norm, p.eps)
+        kj = (p.wk @ h).view(KVH, hd)
+        vj = (p.wv @ h).view(KVH, hd)
         # GQA: repeat every key/value head `group` times (head a reads kv head a // group).
-        k.append([rotate(ki[a // group], pos[i], p.theta) for a in range(H)])
-        v.append([vi[a // group] for a in range(H)])
+        k.append([rotate(kj[a // group], kpos[j], p.theta) for a in range(H)])
+        v.append([vj[a // group] for a in range(H)])
     out = []
     for i in range(n):
         heads = []
         for a in range(H):
-            visible = [j for j in range(n) if pos[j] <= pos[i]]
+            visible = [j for j in range(len(kx)) if kpos[j] <= pos[i]]
             scores = [float(q[i][a] @ k[j][a]) / math.sqrt(hd) for j in visible]
             m = max(scores)
             e = [math.exp(s - m) for s in scores]
@@ -132,17 +145,28 @@ def mlp_update(p: _Params, x: Tensor) -> Tensor:
     return p.w2 @ (silu(p.w1 @ h) * (p.w3 @ h))
 
 
-def block_update(p: _Params, xs: list[Tensor], pos: list[int]) -> list[Tensor]:
+def block_update(
+    p: _Params,
+    xs: list[Tensor],
+    pos: list[int],
+    keys: tuple[list[Tensor], list[int]] | None = None,
+) -> list[Tensor]:
     """Joint block update f = a + mlp(mlp_norm(x + a)), a = attn(attn_norm(x))."""
-    a = attn_update(p, xs, pos)
+    a = attn_update(p, xs, pos, keys)
     return [a[i] + mlp_update(p, xs[i] + a[i]) for i in range(len(xs))]
 
 
-def sub_update(p: _Params, kind: str, xs: list[Tensor], pos: list[int]) -> list[Tensor]:
+def sub_update(
+    p: _Params,
+    kind: str,
+    xs: list[Tensor],
+    pos: list[int],
+    keys: tuple[list[Tensor], list[int]] | None = None,
+) -> list[Tensor]:
     if kind == "block":
-        return block_update(p, xs, pos)
+        return block_update(p, xs, pos, keys)
     if kind == "attn":
-        return attn_update(p, xs, pos)
+        return attn_update(p, xs, pos, keys)
     return [mlp_update(p, x) for x in xs]
 
 
@@ -195,8 +219,11 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
                 else:
                     decision = r if pl is None else pl
                     chosen = [t for t in range(T) if decision[t] > 0]
+                # "residual": the chosen tokens' queries see keys of the whole row's stream
+                residual = cfg.skipped_kv == "residual" and kind != "mlp"
+                keys = (xs, list(range(T))) if residual else None
                 if chosen:
-                    f = sub_update(p, kind, [xs[t] for t in chosen], chosen)
+                    f = sub_update(p, kind, [xs[t] for t in chosen], chosen, keys)
                     new = list(xs)
                     for t, ft in zip(chosen, f, strict=True):
                         g = r[t] if cfg.router_gate == "raw" else sigmoid(r[t])

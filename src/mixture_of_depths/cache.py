@@ -12,14 +12,15 @@ Layout of `KVCache`: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l,
 ``lengths[l, b]`` says how many slots of row b are filled. Slots are filled left to right with no
 holes: a routed layer appends a token only if the token took that layer (its attention sub-block,
 in staggered routing), so ``lengths[l, b]`` is the number of such tokens and slot j holds the j-th
-of them. Keys are stored already rotated at the token's original position. Attention reads slots
+of them; with ``skipped_kv="residual"`` a routed layer stores every token, as a dense one does.
+Keys are stored already rotated at the token's original position. Attention reads slots
 ``< lengths[l, b]`` only, so a slot that was never written is never attended.
 
-Growth: dense layers are allocated for the whole generation up front. Routed layers start at a
-fraction of that (``capacity`` plus headroom) and grow by half, in steps of 64 slots up to the full
-size, when a row fills its buffer: in causal routing a layer may take more tokens than its
-capacity, and nothing is dropped. Writing past `max_len` (the full size) raises an error;
-`generate` sizes the cache so that it cannot.
+Growth: layers that store every token are allocated for the whole generation up front. Other
+routed layers start at a fraction of that (``capacity`` plus headroom) and grow by half, in steps
+of 64 slots up to the full size, when a row fills its buffer: in causal routing a layer may take
+more tokens than its capacity, and nothing is dropped. Writing past `max_len` (the full size)
+raises an error; `generate` sizes the cache so that it cannot.
 
 Lengths and positions are kept on the host: the decode loop already knows on the host which rows
 take a layer, so no device-to-host copy is needed to read or check them.
@@ -66,6 +67,15 @@ class Cache(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Append one key/value per row (n, n_kv_heads, 1, head_dim); return the keys, values and
         validity mask of everything `layer` holds for these rows."""
+        ...
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Append one key/value per row, reading nothing (a row that skips a
+        ``skipped_kv="residual"`` layer still stores its key and value)."""
+        ...
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The keys, values and validity mask of everything `layer` holds for these rows."""
         ...
 
     def subset(self, rows: Tensor) -> Cache:
@@ -115,10 +125,10 @@ class KVCache:
         shape = (batch_size, config.n_kv_heads, 0, config.head_dim)
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
-        routed = set(config.routed_layers)
+        full = set(config.full_kv_layers)  # dense layers; routed ones too with "residual"
         for layer in range(config.n_layers):
             slots = max_len
-            if grow and layer in routed:
+            if grow and layer not in full:
                 slots = min(max_len, max(_MIN_SLOTS, math.ceil(1.5 * config.capacity * max_len)))
             size = (*shape[:2], slots, shape[3])
             self.k.append(torch.zeros(size, device=self.device, dtype=dtype))
@@ -208,38 +218,56 @@ class KVCache:
         self.v[layer][:, :, :n] = v.gather(2, idx)[:, :, :n].to(self.dtype)
         self._lengths[layer] = counts
 
+    def _fast_rows(self, layer: int, rows: Tensor) -> tuple[Tensor, slice | None]:
+        """The rows' filled lengths, and a batch slice when the rows are all rows or one row and
+        their lengths are equal (the usual case: slice writes and reads, no gather, no mask)."""
+        lens = self._lengths[layer, rows]
+        n = rows.numel()
+        if int(lens.min()) == int(lens.max()) and (n == self.batch_size or n == 1):
+            return lens, slice(None) if n == self.batch_size else slice(
+                int(rows[0]), int(rows[0]) + 1
+            )
+        return lens, None
+
+    def append(self, layer: int, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
+        """Append one key/value (n, n_kv_heads, 1, head_dim) to each of `rows` (sorted host ids;
+        None: every row)."""
+        rows = self._all_rows if rows is None else rows
+        lens, b = self._fast_rows(layer, rows)
+        self._ensure(layer, int(lens.max()) + 1)
+        K, V = self.k[layer], self.v[layer]
+        if b is not None:
+            lo = int(lens[0])
+            K[b, :, lo] = k[:, :, 0]
+            V[b, :, lo] = v[:, :, 0]
+        else:
+            dev_rows, dev_pos = rows.to(self.device), lens.to(self.device)
+            K[dev_rows, :, dev_pos] = k[:, :, 0]
+            V[dev_rows, :, dev_pos] = v[:, :, 0]
+        self._lengths[layer, rows] += 1
+
+    def read(self, layer: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What `rows` (sorted host ids; None: every row) attend to in `layer`: keys, values (n,
+        n_kv_heads, S, head_dim) and a validity mask (n, 1, 1, S), or None when every returned
+        slot is filled (S = longest row)."""
+        rows = self._all_rows if rows is None else rows
+        lens, b = self._fast_rows(layer, rows)
+        K, V = self.k[layer], self.v[layer]
+        S = int(lens.max())
+        if b is not None:
+            return K[b, :, :S], V[b, :, :S], None
+        valid = torch.arange(S, device=self.device)[None, :] < lens.to(self.device)[:, None]
+        if rows.numel() == self.batch_size:
+            return K[:, :, :S], V[:, :, :S], valid[:, None, None, :]
+        dev_rows = rows.to(self.device)
+        return K[dev_rows, :, :S], V[dev_rows, :, :S], valid[:, None, None, :]
+
     def append_and_read(
         self, layer: int, k: Tensor, v: Tensor, rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Append one key/value (n, n_kv_heads, 1, head_dim) to each of `rows` (sorted host ids;
-        None: every row), then return what those rows attend to: keys, values (n, n_kv_heads, S,
-        head_dim) and a validity mask (n, 1, 1, S), or None when every returned slot is filled
-        (S = longest row).
-
-        When the rows are all rows or a single row and their lengths are equal (the usual case),
-        this is one slice write and a slice read: no gather, no mask.
-        """
-        rows = self._all_rows if rows is None else rows
-        lens = self._lengths[layer, rows]
-        lo, hi = int(lens.min()), int(lens.max())
-        self._ensure(layer, hi + 1)
-        K, V = self.k[layer], self.v[layer]
-        n = rows.numel()
-        if lo == hi and (n == self.batch_size or n == 1):
-            b = slice(None) if n == self.batch_size else slice(int(rows[0]), int(rows[0]) + 1)
-            K[b, :, lo] = k[:, :, 0]
-            V[b, :, lo] = v[:, :, 0]
-            self._lengths[layer, rows] += 1
-            return K[b, :, : lo + 1], V[b, :, : lo + 1], None
-        dev_rows, dev_pos = rows.to(self.device), lens.to(self.device)
-        K[dev_rows, :, dev_pos] = k[:, :, 0]
-        V[dev_rows, :, dev_pos] = v[:, :, 0]
-        self._lengths[layer, rows] += 1
-        S = hi + 1
-        valid = torch.arange(S, device=self.device)[None, :] <= dev_pos[:, None]
-        if n == self.batch_size:
-            return K[:, :, :S], V[:, :, :S], valid[:, None, None, :]
-        return K[dev_rows, :, :S], V[dev_rows, :, :S], valid[:, None, None, :]
+        """`append` then `read`: a decode step's new token, then all its row holds."""
+        self.append(layer, k, v, rows)
+        return self.read(layer, rows)
 
 
 class CacheRows:
@@ -267,6 +295,12 @@ class CacheRows:
         self, layer: int, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         return self.cache.append_and_read(layer, k, v, self.rows)
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        self.cache.append(layer, k, v, self.rows)
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        return self.cache.read(layer, self.rows)
 
     def subset(self, rows: Tensor) -> CacheRows:
         return CacheRows(self.cache, self.rows[_check_rows(rows, len(self.rows))])

@@ -22,6 +22,9 @@ from .fileio import atomic_write_text
 ROUTING_MODES = ("joint", "staggered")
 ROUTER_GATES = ("raw", "sigmoid")
 CAUSAL_ROUTERS = ("aux_loss", "predictor")
+# What a routed layer's attention keeps of the tokens that skip it (docs/semantics.md, "KV
+# strategies"): nothing (routing-isolated attention), or keys and values from its input.
+SKIPPED_KV = ("none", "residual")
 ROUTER_SCORES = ("learned", "random")
 
 
@@ -94,6 +97,11 @@ class MoDConfig:
     router_scores: str = "learned"
     aux_loss_weight: float = 0.1
     predictor_hidden: int = 64
+    # "none": a routed token attends only to earlier tokens that took the layer, whose cache
+    # holds only them. "residual": the layer computes keys and values of every token from its
+    # input (attention pre-norm, K/V projections), so routed tokens attend to all earlier tokens
+    # and its cache is as large as a dense layer's.
+    skipped_kv: str = "none"
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -155,6 +163,7 @@ class MoDConfig:
             ("router_gate", ROUTER_GATES),
             ("causal_router", CAUSAL_ROUTERS),
             ("router_scores", ROUTER_SCORES),
+            ("skipped_kv", SKIPPED_KV),
         ):
             check_choice(name, getattr(self, name), allowed)
         if not isinstance(self.tie_embeddings, bool):
@@ -211,6 +220,13 @@ class MoDConfig:
         return not self.routed_layers
 
     @property
+    def full_kv_layers(self) -> list[int]:
+        """The layers whose KV cache holds every token: dense ones, and with
+        ``skipped_kv="residual"`` routed ones too."""
+        routed = set() if self.skipped_kv == "residual" else set(self.routed_layers)
+        return [i for i in range(self.n_layers) if i not in routed]
+
+    @property
     def capacity_ratio(self) -> tuple[int, int]:
         """The capacity as an exact fraction (numerator, denominator) of its decimal value."""
         return self._capacity_ratio
@@ -225,10 +241,11 @@ class MoDConfig:
         each MLP becomes the plain SwiGLU of the same active size (``d_ff = experts_per_token *
         d_ff_expert``): the dense model a token's FLOPs are compared with."""
         if not self.has_experts:
-            return dataclasses.replace(self, layer_pattern="D")
+            return dataclasses.replace(self, layer_pattern="D", skipped_kv="none")
         return dataclasses.replace(
             self,
             layer_pattern="D",
+            skipped_kv="none",
             d_ff=self.experts_per_token * self.d_ff_expert,
             n_experts=0,
             experts_per_token=1,

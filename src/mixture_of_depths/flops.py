@@ -198,8 +198,10 @@ def estimate_flops(
         # top-k, full attention products (FlopCounterMode's count)
         full = block.cost(cfg, T, expert_share=es)
         n = full.attn_tokens
-        # the n(n+1)/2 pairs a causal mask keeps
-        causal = block.cost(cfg, T, keys=(n + 1) / 2, expert_share=es)
+        # the pairs a causal mask keeps: n(n+1)/2 among n tokens; about half of each query's
+        # keys when the keys are all T tokens ("residual"), the chosen queries spread evenly
+        keys = full.kv_entries / n if n else 0.0
+        causal = block.cost(cfg, T, keys=(keys + 1) / 2, expert_share=es)
         layers.append(
             LayerFlops(
                 layer=i,
@@ -217,10 +219,14 @@ def estimate_flops(
     # attends over the keys the layer caches, the same share p of the context.
     it, routed = iter(takes), set(cfg.routed_layers)
     p_layer = [next(it) if i in routed else 1.0 for i in range(cfg.n_layers)]
+    # The share of the context each layer caches: all of it where every token stores a key
+    # (dense layers; routed ones with skipped_kv="residual"), else the tokens that took it.
+    full_kv = set(cfg.full_kv_layers)
+    cached = [1.0 if i in full_kv else p for i, p in enumerate(p_layer)]
     # Decoding never drops: given shares that include capacity drops would undercount it.
     decode_share = given if cfg.expert_capacity_factor is None else None
     takes_pp = [(p, p) for p in p_layer]
-    decode, _ = decode_cost(cfg, takes_pp, p_layer, context, expert_share=decode_share)
+    decode, _ = decode_cost(cfg, takes_pp, cached, context, expert_share=decode_share)
     lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
     report = FlopReport(
         config=cfg,
@@ -231,7 +237,7 @@ def estimate_flops(
         take_rate=takes,
         decode_context=context,
         decode_per_token=decode,
-        kv_bytes_per_token=sum(p_layer) * Attention.kv_entry(cfg) * bytes_per_element,
+        kv_bytes_per_token=sum(cached) * Attention.kv_entry(cfg) * bytes_per_element,
         bytes_per_element=bytes_per_element,
     )
     if with_dense and (not cfg.is_dense or cfg.has_experts):

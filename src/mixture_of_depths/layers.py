@@ -25,6 +25,17 @@ from .routing import linear32
 KVHook = Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor, Tensor | None]]
 
 
+@dataclass(frozen=True)
+class LayerKV:
+    """Keys and values computed beforehand from the layer's whole input (``skipped_kv=
+    "residual"``), with the mask of which key each query sees (None: every key given). The
+    attention then projects only its queries."""
+
+    k: Tensor  # (B, n_kv_heads, S, head_dim), rotated
+    v: Tensor
+    mask: Tensor | None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -77,6 +88,22 @@ class Attention(nn.Module):
         )
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
+    def q(self, x_BKD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotated queries (B, n_heads, K, head_dim) alone: the rows of wqkv that make them."""
+        B, K, _ = x_BKD.shape
+        nq = self.n_heads * self.head_dim
+        q = F.linear(x_BKD, self.wqkv.weight[:nq]).view(B, K, self.n_heads, self.head_dim)
+        return apply_rope(q.transpose(1, 2), cos, sin)
+
+    def kv(self, x_BTD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated keys and values (B, n_kv_heads, T, head_dim) alone: what a token that skips
+        a ``skipped_kv="residual"`` layer computes."""
+        B, T, _ = x_BTD.shape
+        nq, Hkv = self.n_heads * self.head_dim, self.n_kv_heads
+        kv = F.linear(x_BTD, self.wqkv.weight[nq:]).view(B, T, 2 * Hkv, self.head_dim)
+        k, v = kv.transpose(1, 2).split((Hkv, Hkv), dim=1)
+        return apply_rope(k, cos, sin), v
+
     def qkv(self, x_BKD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys (both rotated) and values, shaped (B, heads, K, head_dim)."""
         B, K, _ = x_BKD.shape
@@ -109,8 +136,10 @@ class Attention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         attn_mask: Tensor | None,
-        kv: KVHook | None = None,
+        kv: KVHook | LayerKV | None = None,
     ) -> Tensor:
+        if isinstance(kv, LayerKV):  # keys and values of the whole input, made by the caller
+            return self.attend(self.q(x_BKD, cos, sin), kv.k, kv.v, kv.mask)
         q, k, v = self.qkv(x_BKD, cos, sin)
         if kv is not None:  # a KV cache: store the new keys/values, attend to what it holds
             k, v, attn_mask = kv(k, v, attn_mask)
@@ -124,6 +153,12 @@ class Attention(nn.Module):
         return (
             cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * cfg.d_model
         )
+
+    @staticmethod
+    def kv_params(cfg: MoDConfig) -> float:
+        """Weights of the key and value rows of wqkv: all a token that skips a
+        ``skipped_kv="residual"`` layer runs."""
+        return cfg.d_model * 2 * cfg.n_kv_heads * cfg.head_dim
 
     @staticmethod
     def flops_per_key(cfg: MoDConfig) -> float:
@@ -180,7 +215,8 @@ class LayerCost:
     """One layer's work on some tokens, priced by the modules that do it (FLOPs as
     `FlopCounterMode` counts them: a multiply-add is 2, only matrix products count)."""
 
-    attn_tokens: float  # tokens that run attention (and store a key and value)
+    attn_tokens: float  # tokens that run attention (queries; each also stores a key and value)
+    kv_only: float  # tokens that only project (and store) a key and value ("residual" skippers)
     matmul: float  # q/k/v/o projections and the MLP
     attention: float  # QK^T and AV
     router: float
@@ -201,9 +237,11 @@ def price(
     routed: float = 0.0,
     predicted: float = 0.0,
     expert_share: float = 1.0,
+    kv_only: float = 0.0,
 ) -> LayerCost:
     """`attn` tokens run attention (each query against `keys` keys), `mlp` tokens run the MLP,
-    a router weighs `routed` tokens and a predictor scores `predicted` (summed over routers).
+    a router weighs `routed` tokens and a predictor scores `predicted` (summed over routers);
+    `kv_only` more tokens project a key and a value and nothing else.
 
     With experts (`cfg.has_experts`), each of the `mlp` tokens is weighed by the expert router and
     fills `experts_per_token` slots, of which the share `expert_share` runs a real expert (the
@@ -213,13 +251,16 @@ def price(
         mlp_work, mlp_router = slots * ExpertMLP.params(cfg), mlp * ExpertMLP.router_params(cfg)
     else:
         mlp_work, mlp_router = mlp * MLP.params(cfg), 0.0
+    kv_work = kv_only * Attention.kv_params(cfg)
     return LayerCost(
         attn_tokens=attn,
-        matmul=2 * (attn * Attention.params(cfg) + mlp_work),
+        kv_only=kv_only,
+        matmul=2 * (attn * Attention.params(cfg) + kv_work + mlp_work),
         attention=attn * keys * Attention.flops_per_key(cfg),
         router=routed * 2 * cfg.d_model + 2 * mlp_router,
         predictor=predicted * Predictor.flops_per_token(cfg),
         params=attn * Attention.params(cfg)
+        + kv_work
         + mlp_work
         + mlp_router
         + routed * cfg.d_model

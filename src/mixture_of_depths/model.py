@@ -27,7 +27,17 @@ from .cache import Cache, kv_hook
 from .checks import IGNORE_INDEX, check_targets, token_tensor
 from .config import LAYER_KINDS, MoDConfig
 from .experts import ExpertMLP, ExpertRoute, balance_loss, z_loss
-from .layers import MLP, Attention, KVHook, LayerCost, Predictor, RMSNorm, price, rope_tables
+from .layers import (
+    MLP,
+    Attention,
+    KVHook,
+    LayerCost,
+    LayerKV,
+    Predictor,
+    RMSNorm,
+    price,
+    rope_tables,
+)
 from .precision import at_least_float32
 from .routing import (
     ROUTING_CHOICES,
@@ -157,7 +167,7 @@ class Block(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: Tensor | None,
-        kv: KVHook | None = None,
+        kv: KVHook | LayerKV | None = None,
         p: Pass | None = None,
     ) -> Tensor:
         """The update f(x~) of sub-block `kind` ("block", "attn" or "mlp"); the outer residual is
@@ -195,7 +205,8 @@ class Block(nn.Module):
         """The layer's work when `tokens` tokens reach it: `attn` / `mlp` of them run each
         sub-block where the kind lets tokens choose (default: top-k's choice; given: causal
         routing, as in decoding), and each attention query sees `keys` keys (default: all the
-        tokens that run attention). With experts, `expert_share` of the MLP's slots run a real
+        tokens that run attention, or with ``skipped_kv="residual"`` all the tokens, whose keys
+        the skippers project too). With experts, `expert_share` of the MLP's slots run a real
         expert (`layers.price`)."""
         raise NotImplementedError
 
@@ -254,6 +265,19 @@ class RoutedBlock(Block):
         # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
         return self.predictor[kind](x_BTD.detach() if torch.is_grad_enabled() else x_BTD)
 
+    @property
+    def residual_kv(self) -> bool:
+        return self.cfg.skipped_kv == "residual"
+
+    def layer_kv(self, x_BTD: Tensor, p: Pass, mask: Tensor) -> LayerKV:
+        """``skipped_kv="residual"``: keys and values of every token from the layer's input (a
+        prefill stores those of the real tokens), for the chosen queries to attend under
+        `mask` (B, 1, K, T)."""
+        k, v = self.attn.kv(self.attn_norm(x_BTD), p.cos, p.sin)
+        if p.cache is not None:
+            p.cache.write_prefill(self.layer, k, v, p.valid_BT)
+        return LayerKV(k, v, mask)
+
     def forward(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route]]:
         routes = []
         for kind in self.route_kinds:  # staggered: the MLP's router reads the attention's output
@@ -295,7 +319,7 @@ class RoutedBlock(Block):
         cos: Tensor,
         sin: Tensor,
         mask: Tensor | None,
-        kv: KVHook | None,
+        kv: KVHook | LayerKV | None,
         p: Pass | None = None,
     ) -> Tensor:
         """``x + g(r) * f(x)``: the new stream of the tokens that take sub-block `kind`."""
@@ -307,6 +331,8 @@ class RoutedBlock(Block):
         B, T, D = x_BTD.shape
         k = idx_BK.shape[1]
         if k == 0:
+            if kind != "mlp" and self.residual_kv and p.cache is not None:
+                self.layer_kv(x_BTD, p, idx_BK)  # the cache still stores every token
             return x_BTD
         # Flat row indices into (B*T, D): index_select/index_copy move whole rows, several times
         # cheaper than gather/scatter with a D-expanded index.
@@ -315,16 +341,27 @@ class RoutedBlock(Block):
         x_BKD = x_ND.index_select(0, rows_N).view(B, k, D)
         # Original positions; idx is sorted, so a plain causal mask over K is causal in T.
         cos, sin = p.cos[idx_BK].unsqueeze(1), p.sin[idx_BK].unsqueeze(1)
-        kv = None if kind == "mlp" else p.kv(self.layer, None)
+        kv: KVHook | LayerKV | None = None
+        if kind != "mlp" and self.residual_kv:
+            # Keys of every token; chosen token i sees the keys at positions <= idx[i].
+            at_or_before = torch.arange(T, device=idx_BK.device) <= idx_BK[:, :, None]
+            kv = self.layer_kv(x_BTD, p, at_or_before.unsqueeze(1))
+        elif kind != "mlp":
+            kv = p.kv(self.layer, None)
         y_BKD = self.gated(kind, x_BKD, r_BT.gather(1, idx_BK), cos, sin, None, kv, p)
         return x_ND.index_copy(0, rows_N, y_BKD.reshape(B * k, D)).view(B, T, D)
 
     def run_masked(
         self, kind: str, x_BTD: Tensor, r_BT: Tensor, take_BT: Tensor, p: Pass
     ) -> Tensor:
-        """Every token computes; a taker attends only to earlier takers; skippers keep x."""
-        mask = None if kind == "mlp" else causal_attention_mask(take_BT)
-        kv = None if kind == "mlp" else p.kv(self.layer, take_BT)
+        """Every token computes; a taker attends only to earlier takers (with
+        ``skipped_kv="residual"``, to every earlier token); skippers keep x."""
+        if kind == "mlp":
+            mask, kv = None, None
+        elif self.residual_kv:  # every token's key, from the layer's input: plain causal
+            mask, kv = None, p.kv(self.layer, p.valid_BT)
+        else:
+            mask, kv = causal_attention_mask(take_BT), p.kv(self.layer, take_BT)
         y_BTD = self.gated(kind, x_BTD, r_BT, p.cos, p.sin, mask, kv, p)
         return torch.where(take_BT.unsqueeze(-1), y_BTD, x_BTD)
 
@@ -336,6 +373,10 @@ class RoutedBlock(Block):
         for the gate of the taking rows only (predictor mode), computed here."""
         sel = take_N1.view(-1).nonzero().view(-1)
         m, n = len(sel), len(take_N1)
+        residual = kind != "mlp" and self.residual_kv
+        if residual:  # every row stores its key and value, taking the layer or not
+            k, v = self.attn.kv(self.attn_norm(x_N1D), p.cos, p.sin)
+            p.cache.append(self.layer, k, v)
         if m == 0:
             return x_N1D
         cache, cos, sin, x_M1D, r_M1, sel_d = p.cache, p.cos, p.sin, x_N1D, r_N1, None
@@ -348,7 +389,11 @@ class RoutedBlock(Block):
             cache = None if kind == "mlp" else cache.subset(sel)
         if r_M1 is None:
             r_M1 = self.router_weight(kind, x_M1D)
-        kv = None if cache is None else kv_hook(cache, self.layer, None, decode=True)
+        kv: KVHook | LayerKV | None = None
+        if residual:
+            kv = LayerKV(*cache.read(self.layer))
+        elif cache is not None:
+            kv = kv_hook(cache, self.layer, None, decode=True)
         y_M1D = self.gated(kind, x_M1D, r_M1, cos, sin, None, kv, p)
         return y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
 
@@ -363,7 +408,8 @@ class RoutedBlock(Block):
     ) -> LayerCost:
         routers = 1 if cfg.routing == "joint" else 2  # staggered: attention's and the MLP's
         predicted = tokens * routers if cfg.causal_router == "predictor" else 0.0
-        if attn is None or mlp is None:
+        topk = attn is None or mlp is None
+        if topk:
             # Top-k: every token is weighed; each sub-block takes its own capacity_tokens.
             k = cfg.capacity_tokens(int(tokens))
             attn, mlp = (k if attn is None else attn), (k if mlp is None else mlp)
@@ -372,6 +418,19 @@ class RoutedBlock(Block):
             routed = attn if cfg.routing == "joint" else attn + mlp
         else:  # causal, aux_loss mode: the router's weight is every token's decision
             routed = tokens * routers
+        if cfg.skipped_kv == "residual":  # the skippers' keys and values; queries see them all
+            # (a top-k forward that chose no token has no query to read them: it skips them)
+            skippers = 0.0 if topk and not attn else tokens - attn
+            return price(
+                cfg,
+                attn,
+                mlp,
+                tokens if keys is None else keys,
+                routed,
+                predicted,
+                expert_share,
+                kv_only=skippers,
+            )
         keys = attn if keys is None else keys
         return price(cfg, attn, mlp, keys, routed, predicted, expert_share)
 
