@@ -192,19 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plan",
         default="isoflop",
-        choices=["isoflop", "mode"],
+        choices=["isoflop", "mode", "kv"],
         help="isoflop: MoD against dense over sizes, with ablations; mode: dense, MoD, MoE, MoE "
-        "with dropping, staged and integrated MoDE (default: %(default)s)",
+        "with dropping, staged and integrated MoDE; kv: the KV strategies (skipped_kv none and "
+        "residual) at two capacities and two lengths (default: %(default)s)",
     )
     p.add_argument(
         "--out",
         default=None,
-        help="results, report, plots (default: docs/study, or docs/study/mode for --plan mode)",
+        help="results, report, plots (default: docs/study, or docs/study/<plan> for --plan "
+        "mode and kv)",
     )
     p.add_argument(
         "--work",
         default=None,
-        help="run folders (default: runs/study, or runs/study-mode for --plan mode)",
+        help="run folders (default: runs/study, or runs/study-<plan> for --plan mode and kv)",
     )
     p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
     p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
@@ -430,9 +432,10 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 def cmd_study(args: argparse.Namespace) -> int:
     from .study import ISOFLOP, study
+    from .study_kv import PLAN as KV
     from .study_mode import PLAN as MODE
 
-    plan = {"isoflop": ISOFLOP, "mode": MODE}[args.plan]
+    plan = {"isoflop": ISOFLOP, "mode": MODE, "kv": KV}[args.plan]
     results = study(
         args.out,
         args.work,

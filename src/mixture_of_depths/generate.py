@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .cache import Cache, KVCache
@@ -368,3 +369,52 @@ def generate_reference(
     finally:
         model.train(was_training)
     return out
+
+
+@torch.no_grad()
+def prefill_calibration(model: MoDTransformer, idx: Tensor, prompt_len: int) -> dict[str, float]:
+    """How much a top-k prefill disagrees with the causal decoding that follows it.
+
+    Each row of `idx` (B, T) is split into a prompt (its first `prompt_len` tokens) and a
+    continuation. The prompt is prefilled into a KV cache with top-k routing (the paper's global
+    choice over the prompt) or causal routing, then the continuation is fed token by token
+    (teacher-forced, causal decisions) and scored: the loss of each prefill mode on the same
+    targets, a number rather than a sample. Causal prefill is the exact one (it equals the full
+    causal forward); top-k prefill caches what the later tokens' decisions never saw.
+
+    Returns ``loss_causal_prefill`` and ``loss_topk_prefill`` (mean cross-entropy, nats, over the
+    T - prompt_len predicted tokens of every row), their difference ``loss_gap`` (top-k minus
+    causal), and ``decisions_differ``: the share of (prompt token, routed sub-block) decisions
+    that differ between the two prefills.
+    """
+    B, T = idx.shape
+    if not 1 <= prompt_len < T:
+        raise ValueError(
+            f"prompt_len must be in [1, {T - 1}] for sequences of {T}, got {prompt_len}"
+        )
+    param = next(model.parameters())
+    was_training = model.training
+    model.eval()
+    idx = idx.to(param.device)
+    losses, tables = {}, {}
+    try:
+        for mode in PREFILL_MODES:
+            cache = KVCache(model.config, B, T, param.device, param.dtype)
+            lens = torch.full((B,), prompt_len, dtype=torch.long)
+            logits, tables[mode] = prefill(model, idx[:, :prompt_len], lens, cache, mode)
+            steps, rows = [logits], torch.arange(B)
+            for t in range(prompt_len, T - 1):
+                logits, _ = decode_step(model, idx[:, t].cpu(), rows, cache)
+                steps.append(logits)
+            scores = torch.stack(steps, 1).to(at_least_float32(param.dtype))
+            target = idx[:, prompt_len:]
+            losses[mode] = float(F.cross_entropy(scores.flatten(0, 1), target.flatten()))
+    finally:
+        model.train(was_training)
+    differ = (tables["topk"] != tables["causal"]).float()
+    return {
+        "loss_causal_prefill": losses["causal"],
+        "loss_topk_prefill": losses["topk"],
+        "loss_gap": losses["topk"] - losses["causal"],
+        "decisions_differ": float(differ.mean()) if differ.numel() else 0.0,
+    }

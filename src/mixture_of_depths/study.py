@@ -106,6 +106,9 @@ class RunSpec:
     budget: float
     model: dict[str, Any]
     seed: int = 0
+    # the run's own sequence length and batch size (None: the settings')
+    seq_len: int | None = None
+    batch_size: int | None = None
 
 
 def _budget_tag(b: float) -> str:
@@ -164,14 +167,16 @@ def run_one(
     spec: RunSpec, settings: StudySettings, work: Path, data: str | None, progress: bool = False
 ) -> dict:
     cfg = MoDConfig(**spec.model)
-    per_step = estimate_flops(cfg, settings.seq_len, settings.batch_size, with_dense=False)
+    seq_len = settings.seq_len if spec.seq_len is None else spec.seq_len
+    batch_size = settings.batch_size if spec.batch_size is None else spec.batch_size
+    per_step = estimate_flops(cfg, seq_len, batch_size, with_dense=False)
     steps = max(1, math.floor(spec.budget / per_step.train))
     out = work / spec.name
     tc = TrainConfig(
         out=str(out),
         data=data,
-        batch_size=settings.batch_size,
-        seq_len=settings.seq_len,
+        batch_size=batch_size,
+        seq_len=seq_len,
         steps=steps,
         warmup_steps=max(1, min(50, steps // 10)),
         eval_every=max(1, steps // settings.eval_every_runs),
@@ -206,9 +211,7 @@ def run_one(
         # these are what the run actually spent, from the shares it logged in training.
         ran = summary["train_expert_share"]
         shares = [ran.get(str(i), 0.0) for i in range(cfg.n_layers)]
-        spent = estimate_flops(
-            cfg, settings.seq_len, settings.batch_size, with_dense=False, expert_share=shares
-        )
+        spent = estimate_flops(cfg, seq_len, batch_size, with_dense=False, expert_share=shares)
         row["train_expert_share"] = ran
         row["expert_take_rate"] = summary.get("expert_take_rate", {})
         row["flops_per_forward_token_spent"] = spent.forward_per_token
@@ -239,8 +242,13 @@ class Plan:
     report: Callable[[list[dict[str, Any]], Path, StudySettings], None]
     out: str
     work: str
-    # the second seeds of a budget once its grid is done: (results, budget) -> runs
-    seeds: Callable[[list[dict[str, Any]], float], list[RunSpec]] = lambda r, b: seed_specs(r, b)
+    # the second seeds of a budget once its grid is done: (results, budget, settings) -> runs
+    seeds: Callable[[list[dict[str, Any]], float, StudySettings], list[RunSpec]] = lambda r, b, s: (
+        seed_specs(r, b)
+    )
+    # after the runs, measurements of the trained models (results, out, work, data); their
+    # checkpoints are kept for it
+    finish: Callable[[list[dict[str, Any]], Path, Path, str | None], None] | None = None
 
 
 def study(
@@ -280,14 +288,16 @@ def study(
             done.add(spec.name)
             bar.update(1)
             report_fn(results, out, settings)
-            if not keep_checkpoints:
+            if not keep_checkpoints and plan.finish is None:
                 shutil.rmtree(work / spec.name, ignore_errors=True)
         for budget in settings.budgets:  # a budget's isoFLOP runs done: plan its second seeds
             grid = [s for s in specs if s.group == "isoflop" and s.budget == budget]
             if budget not in seeded and all(s.name in done for s in grid):
                 seeded.add(budget)
-                pending.extend(plan.seeds(results, budget))
+                pending.extend(plan.seeds(results, budget, settings))
     bar.close()
+    if plan.finish is not None:
+        plan.finish(results, out, work, data)
     report_fn(results, out, settings)
     return results
 

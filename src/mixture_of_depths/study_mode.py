@@ -282,5 +282,5 @@ PLAN = Plan(  # the module's globals are read at call time (tests cut the plan d
     report=lambda results, out, settings: write_report(results, out, settings),
     out="docs/study/mode",
     work="runs/study-mode",
-    seeds=lambda results, budget: seed_specs(results, budget),
+    seeds=lambda results, budget, settings: seed_specs(results, budget),
 )

@@ -1,0 +1,376 @@
+"""`mod study --plan kv`: the two KV strategies for skipped tokens at equal training FLOPs.
+
+Routing-isolated attention (``skipped_kv="none"``: a routed token attends only to earlier tokens
+that took the layer, whose cache holds only them) against residual cache duplication
+(``"residual"``: the layer's keys and values of every token, from its input; a routed token sees
+its whole history, and the cache is as large as a dense layer's). At each budget and sequence
+length (256, and 1024, where a token that sees 12.5% of its history should lose the most), one
+shape trained as: dense; MoD (every other block routed) with each strategy at capacities 12.5%
+and 25%. Every sequence length trains on the same tokens per step (batch 16 x 256 or 4 x 1024).
+At the larger budget the best run of each strategy at each length trains again with a second
+seed; a difference counts only beyond those runs' seed spread.
+
+Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, which charges
+"residual" its skippers' K/V projections and its routed queries' attention over every key). After
+training, each model is measured with nothing else of the study running (`measure`): decode
+tokens/s at batch 1 and 8 (one thread, a prompt of half the sequence, 64 greedy tokens, median of
+3 after a warm-up), the KV bytes per token its cache held (bf16), and the prefill calibration of
+`generate.prefill_calibration` (teacher-forced loss after a causal against a top-k prefill of
+half the sequence, and the share of prompt decisions that differ). Measurements are kept in
+``measures.jsonl``; delete it to measure again.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .fileio import atomic_write_text, json_text
+from .study import Plan, RunSpec, StudySettings, _budget_tag, _mean_seeds, _seed_gaps, load_results
+
+SEQ_LENS: tuple[tuple[int, int], ...] = ((256, 16), (1024, 4))  # (length, batch): 4096 tokens
+ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
+    ("dense", "dense", dict(layer_pattern="D")),
+    ("MoD 12.5%, none", "none-c12", dict(layer_pattern="DR", capacity=0.125)),
+    (
+        "MoD 12.5%, residual",
+        "res-c12",
+        dict(layer_pattern="DR", capacity=0.125, skipped_kv="residual"),
+    ),
+    ("MoD 25%, none", "none-c25", dict(layer_pattern="DR", capacity=0.25)),
+    (
+        "MoD 25%, residual",
+        "res-c25",
+        dict(layer_pattern="DR", capacity=0.25, skipped_kv="residual"),
+    ),
+)
+STRATEGIES = ("none", "residual")
+
+FULL = StudySettings(
+    budgets=(2e12, 4e12),
+    sizes=(("XS", dict(d_model=64, n_layers=4, n_heads=4)),),
+    seq_len=256,
+    batch_size=16,
+    eval_every_runs=2,
+    eval_batches=8,
+    base={},
+    ablation_size="XS",
+)
+
+QUICK = StudySettings(
+    budgets=(1e9, 2e9),
+    sizes=(("S", dict(d_model=32, n_layers=2, n_heads=2)),),
+    seq_len=32,
+    batch_size=4,
+    eval_every_runs=1,
+    eval_batches=1,
+    base={},
+    ablation_size="S",
+)
+
+DECODE_NEW = 64
+DECODE_BATCHES = (1, 8)
+DECODE_REPEATS = 3
+
+
+def _lengths(settings: StudySettings) -> tuple[tuple[int, int], ...]:
+    """(sequence length, batch) pairs: the full study's, or the quick one's scaled down."""
+    if settings is FULL:
+        return SEQ_LENS
+    return (
+        (settings.seq_len, settings.batch_size),
+        (2 * settings.seq_len, settings.batch_size // 2),
+    )
+
+
+def plan(settings: StudySettings) -> list[RunSpec]:
+    size, shape = settings.sizes[0]
+    return [
+        RunSpec(
+            name=f"{_budget_tag(budget)}-T{T}-{tag}-{size}-s0",
+            group="isoflop",
+            label=label,
+            budget=budget,
+            model={**settings.base, **shape, "max_seq_len": T, **over},
+            seq_len=T,
+            batch_size=B,
+        )
+        for budget in settings.budgets
+        for T, B in _lengths(settings)
+        for label, tag, over in ARCHS
+    ]
+
+
+def strategy(r: dict[str, Any]) -> str | None:
+    """ "none" or "residual" for an MoD run, None for dense."""
+    if "R" not in r["model"].get("layer_pattern", "D"):
+        return None
+    return r["model"].get("skipped_kv", "none")
+
+
+def seed_specs(
+    results: list[dict[str, Any]], budget: float, settings: StudySettings
+) -> list[RunSpec]:
+    """At the largest budget, a second seed for each strategy's best run at each length."""
+    if budget != max(settings.budgets):
+        return []
+    specs = []
+    for T in sorted({r["seq_len"] for r in results}):
+        first = [
+            r for r in results if r["budget"] == budget and r["seq_len"] == T and r["seed"] == 0
+        ]
+        for strat in STRATEGIES:
+            runs = [r for r in first if strategy(r) == strat]
+            if runs:
+                best = min(runs, key=lambda r: r["val_loss_causal"])
+                specs.append(
+                    RunSpec(
+                        name=best["name"][: -len("-s0")] + "-s1",
+                        group="seed",
+                        label=best["label"],
+                        budget=budget,
+                        model=best["model"],
+                        seed=1,
+                        seq_len=T,
+                        batch_size=best["batch_size"],
+                    )
+                )
+    return specs
+
+
+# -- measurements of the trained models ---------------------------------------------------------
+def measure_run(ckpt: Path, seq_len: int, data: str | None) -> dict[str, Any]:
+    """Decode speed at batch 1 and 8, the KV bytes per token the cache held, and the prefill
+    calibration, of the model saved in `ckpt` (on the CPU, one thread)."""
+    from .bench.decode import decode_run
+    from .checkpoint import load_model
+    from .data import eval_batches, load_splits, load_tokenizer
+    from .generate import prefill_calibration
+
+    model, cfg = load_model(ckpt)
+    model.eval()
+    _, val, _ = load_splits(data, load_tokenizer(ckpt))
+    prompt_len = seq_len // 2
+    new = min(DECODE_NEW, seq_len - prompt_len)
+    rows = eval_batches(val, max(DECODE_BATCHES), prompt_len, 1)[0][0]
+    out: dict[str, Any] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # decode ops are too small to share between threads
+    try:
+        for b in DECODE_BATCHES:
+            prompt = rows[:b]
+            decode_run(model, prompt, new, lambda: None)  # warm-up
+            runs = [decode_run(model, prompt, new, lambda: None) for _ in range(DECODE_REPEATS)]
+            out[f"decode_tok_s_b{b}"] = b * new / statistics.median(r["seconds"] for r in runs)
+            if b == max(DECODE_BATCHES):
+                # bytes per token of context held, had the cache been bf16 (2 bytes an element)
+                kv_entry = 2 * cfg.n_kv_heads * cfg.head_dim
+                out["kv_bytes_per_token_measured"] = 2 * kv_entry * sum(runs[-1]["cached_share"])
+                out["take_decode"] = runs[-1]["take_decode"]
+    finally:
+        torch.set_num_threads(threads)
+    if not cfg.is_dense:
+        idx = eval_batches(val, 8, seq_len, 1)[0][0]
+        out.update(prefill_calibration(model, idx, prompt_len))
+    return out
+
+
+def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | None) -> None:
+    """Measure every finished run not yet in ``measures.jsonl`` whose checkpoint is kept."""
+    from .checkpoint import resolve_checkpoint
+    from .train import CHECKPOINT_NAME, has_checkpoint
+
+    path = out / "measures.jsonl"
+    done = {m["name"] for m in load_results(path)}
+    for r in results:
+        run_dir = work / r["name"]
+        if r["name"] in done or not has_checkpoint(run_dir):
+            continue
+        print(f"measuring {r['name']}")
+        ckpt = resolve_checkpoint(run_dir / CHECKPOINT_NAME)
+        row = {"name": r["name"], **measure_run(ckpt, r["seq_len"], data)}
+        with path.open("a") as fh:
+            fh.write(json_text(row) + "\n")
+
+
+# -- report -------------------------------------------------------------------------------------
+def _merged(results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    measures = {m["name"]: m for m in load_results(out / "measures.jsonl")}
+    return [{**r, **measures.get(r["name"], {})} for r in results]
+
+
+def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per budget and length: each model's causal loss (mean over seeds), the seed spread, and
+    per capacity the residual-minus-none difference with its verdict."""
+    out: dict[str, Any] = {"cells": []}
+    for budget in sorted({r["budget"] for r in results}):
+        for T in sorted({r["seq_len"] for r in results}):
+            rows = [r for r in results if r["budget"] == budget and r["seq_len"] == T]
+            loss = _mean_seeds([{**r, "judged": r["val_loss_causal"]} for r in rows], "judged")
+            gaps = _seed_gaps(rows)
+            spread = max(gaps.values()) if gaps else None
+            pairs = []
+            for cap in ("12.5%", "25%"):
+                a, b = f"MoD {cap}, none", f"MoD {cap}, residual"
+                if a in loss and b in loss:
+                    diff = loss[a] - loss[b]  # > 0: residual is better
+                    if spread is None:
+                        verdict = "no second seed at this budget"
+                    elif abs(diff) <= spread:
+                        verdict = "within the seed spread"
+                    else:
+                        verdict = "residual better" if diff > 0 else "none better"
+                    pairs.append(
+                        {
+                            "capacity": cap,
+                            "none": loss[a],
+                            "residual": loss[b],
+                            "gain_residual": diff / loss[a],
+                            "verdict": verdict,
+                        }
+                    )
+            out["cells"].append(
+                {
+                    "budget": budget,
+                    "seq_len": T,
+                    "loss": loss,
+                    "seed_spread": spread,
+                    "pairs": pairs,
+                }
+            )
+    return out
+
+
+_HEADER = (
+    "| model | seed | params | FLOPs/token fwd | steps | val loss causal | vs dense | "
+    "KV bytes/token (bf16) | decode FLOPs/token | decode tok/s b1 | b8 | "
+    "loss, causal prefill | top-k prefill | decisions differ |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _f(r: dict[str, Any], key: str, fmt: str) -> str:
+    v = r.get(key)
+    return "" if v is None else format(v, fmt)
+
+
+def _row(r: dict[str, Any], dense_loss: float | None) -> str:
+    rel = (
+        ""
+        if dense_loss is None
+        else f"{100 * (r['val_loss_causal'] - dense_loss) / dense_loss:+.2f}%"
+    )
+    return (
+        f"| {r['label']} | {r['seed']} | {r['params'] / 1e6:.2f}M | "
+        f"{r['flops_per_forward_token'] / 1e6:.3f}M | {r['steps']} | {r['val_loss_causal']:.4f} | "
+        f"{rel} | {_f(r, 'kv_bytes_per_token_measured', ',.0f')} | "
+        f"{r['decode_flops_per_token'] / 1e6:.3f}M | {_f(r, 'decode_tok_s_b1', ',.0f')} | "
+        f"{_f(r, 'decode_tok_s_b8', ',.0f')} | {_f(r, 'loss_causal_prefill', '.4f')} | "
+        f"{_f(r, 'loss_topk_prefill', '.4f')} | {_f(r, 'decisions_differ', '.1%')} |"
+    )
+
+
+def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettings) -> None:
+    from .config import MoDConfig
+    from .flops import estimate_flops
+
+    rows = _merged(results, out)
+    for r in rows:  # analytic decode FLOPs per token at the run's length, take-rate = capacity
+        cfg = MoDConfig(**r["model"])
+        r["decode_flops_per_token"] = estimate_flops(
+            cfg, r["seq_len"], with_dense=False
+        ).decode_per_token
+    order = {label: i for i, (label, _, _) in enumerate(ARCHS)}
+    summary = findings(rows)
+    lines = [
+        "# KV strategies: routing-isolated attention against residual cache duplication",
+        "",
+        f"Default corpus, byte tokenizer, one shape ({settings.sizes[0][0]}: "
+        f"{settings.sizes[0][1]}), every other block routed; sequences of 256 (batch 16) and "
+        "1024 (batch 4) tokens, the same tokens per step. `none`: a routed token attends only to "
+        "earlier tokens that took the layer (its cache holds only them); `residual`: the layer "
+        "computes keys and values of every token from its input, so a routed token attends to "
+        "all earlier tokens (its cache is a dense layer's). Each run trains for floor(budget / "
+        "training FLOPs per step); `residual` is charged its extra K/V projections and its "
+        "wider attention. Val loss: causal routing, nats per token (what generation gets). KV "
+        "bytes per token: what the decode cache held per token of context, counted at 2 bytes "
+        "an element. Decode: CPU, one thread, prompt of half the sequence, 64 greedy tokens, "
+        "median of 3; measured after training, nothing else of the study running. Prefill: "
+        "teacher-forced loss on the second half of 8 held-out sequences after prefilling the "
+        "first half causally (exact) or with top-k (the paper's prefill), and the share of the "
+        "prompt's routing decisions that differ. Generated by `mod study --plan kv`; plot: "
+        "`kv.png`.",
+        "",
+        "## Residual against none, per capacity",
+        "",
+    ]
+    for c in summary["cells"]:
+        sp = "-" if c["seed_spread"] is None else f"{c['seed_spread']:.4f}"
+        for p in c["pairs"]:
+            lines.append(
+                f"- budget {c['budget']:.0e}, T={c['seq_len']}, capacity {p['capacity']}: none "
+                f"{p['none']:.4f}, residual {p['residual']:.4f} ({100 * p['gain_residual']:+.2f}% "
+                f"for residual; seed spread {sp}): {p['verdict']}."
+            )
+    lines.append("")
+    for budget in sorted({r["budget"] for r in rows}):
+        for T in sorted({r["seq_len"] for r in rows}):
+            cell = [r for r in rows if r["budget"] == budget and r["seq_len"] == T]
+            dense = [r["val_loss_causal"] for r in cell if r["label"] == "dense"]
+            dense_loss = sum(dense) / len(dense) if dense else None
+            lines += [f"## Budget {budget:.1e} FLOPs, sequences of {T}", "", _HEADER]
+            key = lambda r: (order.get(r["label"], 99), r["seed"])  # noqa: E731
+            lines += [_row(r, dense_loss) for r in sorted(cell, key=key)]
+            lines.append("")
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    atomic_write_text(out / "findings.json", json_text(summary, indent=1) + "\n")
+    try:
+        _plot(summary, out)
+    except Exception as exc:  # plots are a convenience; the results are already saved
+        print(f"note: plot failed: {exc!r}")
+
+
+def _plot(summary: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in summary["cells"] if "dense" in c["loss"]]
+    labels = [label for label, _, _ in ARCHS[1:]]
+    if not cells:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
+    width = 0.8 / len(cells)
+    for i, c in enumerate(cells):
+        ref = c["loss"]["dense"]
+        xs = [j + (i - (len(cells) - 1) / 2) * width for j in range(len(labels))]
+        pct = [100 * (c["loss"].get(lab, float("nan")) - ref) / ref for lab in labels]
+        ax.bar(xs, pct, width, label=f"{c['budget']:.0e} FLOPs, T={c['seq_len']}", color=f"C{i}")
+        if c["seed_spread"] is not None:
+            band = 100 * c["seed_spread"] / ref
+            ax.errorbar(xs, pct, yerr=band, fmt="none", ecolor="black", lw=0.8, capsize=2)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("causal val loss vs dense (%), lower is better")
+    ax.set_title("KV strategies at equal training FLOPs (whiskers: seed spread)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "kv.png")
+    plt.close(fig)
+
+
+PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)
+    name="kv",
+    settings=lambda quick: QUICK if quick else FULL,
+    runs=lambda settings: plan(settings),
+    report=lambda results, out, settings: write_report(results, out, settings),
+    out="docs/study/kv",
+    work="runs/study-kv",
+    seeds=lambda results, budget, settings: seed_specs(results, budget, settings),
+    finish=lambda results, out, work, data: measure(results, out, work, data),
+)
