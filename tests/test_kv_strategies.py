@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import make_model as _make_model
 from helpers import random_tokens, tiny_config
 from reference import reference_forward
@@ -24,7 +25,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.cache import KVCache
 from mixture_of_depths.flops import decode_cost, estimate_flops, layer_shares
-from mixture_of_depths.generate import decode_step, generate, generate_reference, prefill
+from mixture_of_depths.generate import (
+    decode_step,
+    generate,
+    generate_reference,
+    prefill,
+    prefill_calibration,
+)
 
 TOL64 = dict(rtol=0.0, atol=1e-10)
 RESIDUAL = dict(skipped_kv="residual")
@@ -264,3 +271,27 @@ def test_residual_kv_bytes_equal_dense_and_projections_cost_the_skippers():
     assert res.layers[1].attention == pytest.approx(none.layers[1].attention * 256 / k)
     assert res.decode_per_token > none.decode_per_token
     assert res.layers[0] == none.layers[0]  # dense layers are untouched
+
+
+# -- prefill calibration --------------------------------------------------------------------------
+@pytest.mark.parametrize("skipped_kv", ["none", "residual"])
+def test_prefill_calibration_against_the_full_forward(skipped_kv):
+    """The causal prefill's teacher-forced loss is the full causal forward's on the same targets;
+    the share of differing decisions is read off the two prompt forwards' routes; a top-k
+    prefill that differs in its decisions changes the loss."""
+    model = make_model(max_seq_len=64, capacity=0.25, skipped_kv=skipped_kv)
+    idx = random_tokens(3, 40, seed=5)
+    P = 20
+    got = prefill_calibration(model, idx, P)
+    with torch.no_grad():
+        logits = model(idx, routing="causal").logits[:, P - 1 : -1]
+        topk = model(idx[:, :P], routing="topk").routes
+        causal = model(idx[:, :P], routing="causal").routes
+    want = F.cross_entropy(logits.flatten(0, 1), idx[:, P:].flatten())
+    assert got["loss_causal_prefill"] == pytest.approx(float(want), abs=1e-10)
+    differ = torch.stack([a.mask != b.mask for a, b in zip(topk, causal, strict=True)])
+    assert got["decisions_differ"] == pytest.approx(float(differ.float().mean()))
+    assert 0 < got["decisions_differ"] < 1
+    assert got["loss_gap"] == got["loss_topk_prefill"] - got["loss_causal_prefill"] != 0
+    with pytest.raises(ValueError, match="prompt_len"):
+        prefill_calibration(model, idx, 40)

@@ -140,3 +140,46 @@ def test_mode_plan_charges_the_bound_reports_what_ran_and_judges_the_claims(
     # Only the claim whose runs are in the plan: no staged or plain integrated MoDE here.
     assert [c["baseline"] for c in claims] == ["MoE, capacity 0.5 (drops)"]
     assert claims[0]["best"] == "integrated MoDE, capacity 0.5"
+
+
+def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp_path, monkeypatch):
+    """`mod study --plan kv` cut down to one budget and one strategy pair: each run trains at its
+    own length and batch for the steps its FLOPs buy (residual charged its extra K/V and wider
+    attention, so fewer), the seeds go to each strategy's best, and every trained model is
+    measured (decode speed, cache bytes, prefill calibration) into the report."""
+    import mixture_of_depths.study_kv as sk
+
+    _, data = tiny
+    settings = dataclasses.replace(sk.QUICK, budgets=(1e9,), eval_batches=1)
+    monkeypatch.setattr(sk, "QUICK", settings)
+    monkeypatch.setattr(sk, "ARCHS", sk.ARCHS[:3])  # dense, 12.5% none, 12.5% residual
+    monkeypatch.setattr(sk, "DECODE_REPEATS", 1)
+    out, work = tmp_path / "kv", tmp_path / "work"
+    results = st.study(out, work, quick=True, data=data, progress=False, plan=sk.PLAN)
+    assert len(results) == 2 * 3 + 2 * 2  # two lengths x three models, then two seeds a length
+    for r in results:
+        cfg = MoDConfig(**r["model"])
+        assert cfg.max_seq_len == r["seq_len"] and r["seq_len"] * r["batch_size"] == 128
+        per_step = estimate_flops(cfg, r["seq_len"], r["batch_size"]).train
+        assert r["steps"] == max(1, int(r["budget"] // per_step))
+    by = {(r["seq_len"], r["label"], r["seed"]): r for r in results}
+    for T in (32, 64):
+        assert by[T, "MoD 12.5%, residual", 0]["steps"] < by[T, "MoD 12.5%, none", 0]["steps"]
+        assert {(T, lab, 1) in by for lab in ("MoD 12.5%, none", "MoD 12.5%, residual")} == {True}
+    measures = {m["name"]: m for m in st.load_results(out / "measures.jsonl")}
+    assert set(measures) == {r["name"] for r in results}
+    for r in results:
+        m = measures[r["name"]]
+        assert m["decode_tok_s_b1"] > 0 and m["decode_tok_s_b8"] > 0
+        cfg = MoDConfig(**r["model"])
+        full = 2 * 2 * cfg.n_kv_heads * cfg.head_dim * cfg.n_layers  # bf16, every layer
+        if cfg.is_dense or cfg.skipped_kv == "residual":
+            assert m["kv_bytes_per_token_measured"] == pytest.approx(full)
+        else:
+            assert m["kv_bytes_per_token_measured"] < full
+            assert 0 <= m["decisions_differ"] <= 1
+    report = (out / "report.md").read_text()
+    assert "## Budget 1.0e+09 FLOPs, sequences of 64" in report
+    assert "capacity 12.5%: none" in report and (out / "kv.png").exists()
+    cells = json.loads((out / "findings.json").read_text())["cells"]
+    assert [c["seq_len"] for c in cells] == [32, 64] and all(c["pairs"] for c in cells)

@@ -9,7 +9,7 @@ import types
 import typing
 from typing import Any
 
-from .config import PRESETS, MoDConfig
+from .config import FIELD_CHOICES, PRESETS, MoDConfig
 from .fileio import json_text
 
 DEFAULT_PRESET = "small"
@@ -48,6 +48,13 @@ def _add_dataclass_flags(
             parser.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"(default: {default})",
+            )
+        elif f.name in FIELD_CHOICES:
+            parser.add_argument(
+                flag,
+                choices=FIELD_CHOICES[f.name],
                 default=None,
                 help=f"(default: {default})",
             )

@@ -26,6 +26,14 @@ CAUSAL_ROUTERS = ("aux_loss", "predictor")
 # strategies"): nothing (routing-isolated attention), or keys and values from its input.
 SKIPPED_KV = ("none", "residual")
 ROUTER_SCORES = ("learned", "random")
+# The string fields and what each allows (the CLI offers them as choices).
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "routing": ROUTING_MODES,
+    "router_gate": ROUTER_GATES,
+    "causal_router": CAUSAL_ROUTERS,
+    "router_scores": ROUTER_SCORES,
+    "skipped_kv": SKIPPED_KV,
+}
 
 
 def capacity_ratio(capacity: float) -> tuple[int, int]:
@@ -158,13 +166,7 @@ class MoDConfig:
         # Derived, not a field: the exact capacity as integers for `capacity_tokens`.
         object.__setattr__(self, "_capacity_ratio", capacity_ratio(self.capacity))
         object.__setattr__(self, "capacity", float(self.capacity))
-        for name, allowed in (
-            ("routing", ROUTING_MODES),
-            ("router_gate", ROUTER_GATES),
-            ("causal_router", CAUSAL_ROUTERS),
-            ("router_scores", ROUTER_SCORES),
-            ("skipped_kv", SKIPPED_KV),
-        ):
+        for name, allowed in FIELD_CHOICES.items():
             check_choice(name, getattr(self, name), allowed)
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")

@@ -17,6 +17,10 @@ Decode is an expectation per generated token at a given context length, from the
 that take each routed layer (`take_rate`, the capacity by default): a routed layer costs its router
 (and predictor) always, and its block and attention over the keys it caches only when taken.
 
+With ``skipped_kv="residual"`` a routed layer also projects the key and value of every token that
+skips it (training and decode), its queries attend over all tokens' keys, and it caches every
+token: KV bytes per token as a dense layer's.
+
 Every figure is a sum of the layer kinds' own cost functions (`model.BLOCKS[kind].cost`, priced by
 the modules in layers.py), so a new block kind brings its FLOPs with it.
 """
@@ -315,7 +319,8 @@ def format_report(report: FlopReport) -> str:
     cfg = report.config
     lines = [
         f"FLOPs (GFLOP) for batch {report.batch_size} x {report.seq_len} tokens, top-k forward, "
-        f"layers {cfg.layer_kinds}, capacity {cfg.capacity}, routing {cfg.routing}",
+        f"layers {cfg.layer_kinds}, capacity {cfg.capacity}, routing {cfg.routing}"
+        + ("" if cfg.is_dense else f", skipped_kv {cfg.skipped_kv}"),
         f"{'layer':>5} {'kind':>4} {'tokens':>6} {'matmul':>10} {'attention':>10} "
         f"{'attn causal':>11} {'router':>10} {'predictor':>10} {'forward':>10}",
     ]
