@@ -50,12 +50,18 @@ def make_model(
 
 
 @torch.no_grad()
-def force_routing(model: MoDTransformer, take: bool, layers: list[int] | None = None) -> None:
-    """Make every token take (or skip) the routed blocks `layers` (all routed ones by default)."""
+def force_routing(
+    model: MoDTransformer, take: bool | list[bool], layers: list[int] | None = None
+) -> None:
+    """Make every token take (or skip) the routed blocks `layers` (all routed ones by default);
+    `take` one decision for all, or one per router in layer order."""
+    takes = iter(take) if isinstance(take, list) else None
     for block in model.blocks:
         if not block.routed or (layers is not None and block.layer not in layers):
             continue
         for kind in block.route_kinds:
+            if takes is not None:
+                take = bool(next(takes))
             if model.config.causal_router == "predictor":
                 block.predictor[kind].fc2.weight.zero_()
                 block.predictor[kind].fc2.bias.fill_(5.0 if take else -5.0)

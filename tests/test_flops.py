@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import force_routing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -133,16 +134,7 @@ def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     cfg = MoDConfig(**{**BASE, **over})
     torch.manual_seed(0)
     model = MoDTransformer(cfg).eval()
-    it = iter(takes)
-    with torch.no_grad():
-        for block in model.blocks:
-            for kind in getattr(block, "route_kinds", ()):
-                take = next(it)
-                if cfg.causal_router == "aux_loss":
-                    block.router[kind].weight.zero_()
-                    continue
-                block.predictor[kind].fc2.weight.zero_()
-                block.predictor[kind].fc2.bias.fill_(5.0 if take else -5.0)
+    force_routing(model, [bool(t) for t in takes])
     P = 20
     idx = torch.randint(0, cfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(2))
     cache = KVCache(cfg, 1, P + 1)

@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import force_routing, random_tokens, tiny_config
 from helpers import make_model as _make_model
-from helpers import random_tokens, tiny_config
 from reference import reference_forward
 from test_flops import BASE, counted
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -240,12 +240,7 @@ def test_residual_decode_step_equals_flop_counter(takes):
     cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "causal_router": "predictor", **RESIDUAL})
     torch.manual_seed(0)
     model = MoDTransformer(cfg).eval()
-    it = iter(takes)
-    with torch.no_grad():
-        for block in model.blocks:
-            for kind in getattr(block, "route_kinds", ()):
-                block.predictor[kind].fc2.weight.zero_()
-                block.predictor[kind].fc2.bias.fill_(5.0 if next(it) else -5.0)
+    force_routing(model, takes)
     P = 20
     idx = torch.randint(0, cfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(2))
     cache = KVCache(cfg, 1, P + 1)

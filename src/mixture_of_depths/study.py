@@ -146,21 +146,24 @@ def plan(settings: StudySettings) -> list[RunSpec]:
     return specs
 
 
+def second_seed(r: dict[str, Any]) -> RunSpec:
+    """The run of result row `r` (a seed-0 run) again, with seed 1."""
+    return RunSpec(
+        name=r["name"][: -len("-s0")] + "-s1",
+        group="seed",
+        label=r["label"],
+        budget=r["budget"],
+        model=r["model"],
+        seed=1,
+        seq_len=r.get("seq_len"),
+        batch_size=r.get("batch_size"),
+    )
+
+
 def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
     """Second seeds for the two best isoFLOP runs of a budget (by the honest, causal loss)."""
     runs = [r for r in results if r["group"] == "isoflop" and r["budget"] == budget]
-    best = sorted(runs, key=lambda r: r["val_loss_causal"])[:2]
-    return [
-        RunSpec(
-            name=r["name"][: -len("-s0")] + "-s1",
-            group="seed",
-            label=r["label"],
-            budget=budget,
-            model=r["model"],
-            seed=1,
-        )
-        for r in best
-    ]
+    return [second_seed(r) for r in sorted(runs, key=lambda r: r["val_loss_causal"])[:2]]
 
 
 def run_one(
@@ -640,3 +643,40 @@ def _plots(results: list[dict[str, Any]], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / "ablations.png")
         plt.close(fig)
+
+
+def plot_vs_dense(
+    groups: list[tuple[str, dict[str, float], float | None]],
+    labels: list[str],
+    path: Path,
+    title: str,
+    ylabel: str = "validation loss vs dense (%), lower is better",
+    rotate: bool = False,
+) -> None:
+    """Bars of each label's loss against the group's dense one (%), one colour per group
+    (legend, losses by label, seed spread for whiskers or None)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
+    width = 0.8 / max(1, len(groups))
+    for i, (legend, loss, spread) in enumerate(groups):
+        ref = loss["dense"]
+        xs = [j + (i - (len(groups) - 1) / 2) * width for j in range(len(labels))]
+        pct = [100 * (loss.get(lab, float("nan")) - ref) / ref for lab in labels]
+        ax.bar(xs, pct, width, label=legend, color=f"C{i}")
+        if spread is not None:
+            band = 100 * spread / ref
+            ax.errorbar(xs, pct, yerr=band, fmt="none", ecolor="black", lw=0.8, capsize=2)
+    ax.axhline(0, color="black", lw=0.6)
+    tick = dict(rotation=20, ha="right") if rotate else {}
+    ax.set_xticks(range(len(labels)), labels, fontsize=8, **tick)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

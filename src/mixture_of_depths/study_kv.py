@@ -29,7 +29,17 @@ from typing import Any
 import torch
 
 from .fileio import atomic_write_text, json_text
-from .study import Plan, RunSpec, StudySettings, _budget_tag, _mean_seeds, _seed_gaps, load_results
+from .study import (
+    Plan,
+    RunSpec,
+    StudySettings,
+    _budget_tag,
+    _mean_seeds,
+    _seed_gaps,
+    load_results,
+    plot_vs_dense,
+    second_seed,
+)
 
 SEQ_LENS: tuple[tuple[int, int], ...] = ((256, 16), (1024, 4))  # (length, batch): 4096 tokens
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
@@ -105,7 +115,7 @@ def plan(settings: StudySettings) -> list[RunSpec]:
 
 
 def strategy(r: dict[str, Any]) -> str | None:
-    """ "none" or "residual" for an MoD run, None for dense."""
+    """The strategy of an MoD run ("none" or "residual"); None for dense."""
     if "R" not in r["model"].get("layer_pattern", "D"):
         return None
     return r["model"].get("skipped_kv", "none")
@@ -125,19 +135,7 @@ def seed_specs(
         for strat in STRATEGIES:
             runs = [r for r in first if strategy(r) == strat]
             if runs:
-                best = min(runs, key=lambda r: r["val_loss_causal"])
-                specs.append(
-                    RunSpec(
-                        name=best["name"][: -len("-s0")] + "-s1",
-                        group="seed",
-                        label=best["label"],
-                        budget=budget,
-                        model=best["model"],
-                        seed=1,
-                        seq_len=T,
-                        batch_size=best["batch_size"],
-                    )
-                )
+                specs.append(second_seed(min(runs, key=lambda r: r["val_loss_causal"])))
     return specs
 
 
@@ -334,34 +332,15 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
 
 
 def _plot(summary: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cells = [c for c in summary["cells"] if "dense" in c["loss"]]
-    labels = [label for label, _, _ in ARCHS[1:]]
     if not cells:
         return
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
-    width = 0.8 / len(cells)
-    for i, c in enumerate(cells):
-        ref = c["loss"]["dense"]
-        xs = [j + (i - (len(cells) - 1) / 2) * width for j in range(len(labels))]
-        pct = [100 * (c["loss"].get(lab, float("nan")) - ref) / ref for lab in labels]
-        ax.bar(xs, pct, width, label=f"{c['budget']:.0e} FLOPs, T={c['seq_len']}", color=f"C{i}")
-        if c["seed_spread"] is not None:
-            band = 100 * c["seed_spread"] / ref
-            ax.errorbar(xs, pct, yerr=band, fmt="none", ecolor="black", lw=0.8, capsize=2)
-    ax.axhline(0, color="black", lw=0.6)
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_ylabel("causal val loss vs dense (%), lower is better")
-    ax.set_title("KV strategies at equal training FLOPs (whiskers: seed spread)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "kv.png")
-    plt.close(fig)
+    groups = [
+        (f"{c['budget']:.0e} FLOPs, T={c['seq_len']}", c["loss"], c["seed_spread"]) for c in cells
+    ]
+    title = "KV strategies at equal training FLOPs (whiskers: seed spread)"
+    ylabel = "causal val loss vs dense (%), lower is better"
+    plot_vs_dense(groups, [label for label, _, _ in ARCHS[1:]], out / "kv.png", title, ylabel)
 
 
 PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)

@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from .fileio import atomic_write_text, json_text
-from .study import Plan, RunSpec, StudySettings, _budget_tag, _mean_seeds, _seed_gaps
+from .study import (
+    Plan,
+    RunSpec,
+    StudySettings,
+    _budget_tag,
+    _mean_seeds,
+    _seed_gaps,
+    plot_vs_dense,
+    second_seed,
+)
 
 EXPERTS = dict(n_experts=4, experts_per_token=1)
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
@@ -95,17 +104,7 @@ def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
         if base in first and have:
             best = min(have, key=lambda c: judged_loss(first[c]))
             labels += [lab for lab in (base, best) if lab not in labels]
-    return [
-        RunSpec(
-            name=first[lab]["name"][: -len("-s0")] + "-s1",
-            group="seed",
-            label=lab,
-            budget=budget,
-            model=first[lab]["model"],
-            seed=1,
-        )
-        for lab in labels
-    ]
+    return [second_seed(first[lab]) for lab in labels]
 
 
 def judged_loss(r: dict[str, Any]) -> float:
@@ -245,34 +244,13 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
 
 
 def _plot(results: list[dict[str, Any]], out: Path, summary: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     budgets = [b for b in summary["budgets"] if "dense" in b["loss"]]  # the bars' reference
     labels = [label for label, _, _ in ARCHS if any(label in b["loss"] for b in budgets)]
     if not labels:
         return
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
-    width = 0.8 / max(1, len(budgets))
-    for i, b in enumerate(budgets):
-        ref = b["loss"]["dense"]
-        xs = [j + (i - (len(budgets) - 1) / 2) * width for j in range(len(labels))]
-        pct = [100 * (b["loss"].get(lab, float("nan")) - ref) / ref for lab in labels]
-        ax.bar(xs, pct, width, label=f"{b['budget']:.2g} FLOPs", color=f"C{i}")
-        if b["seed_spread"] is not None:
-            band = 100 * b["seed_spread"] / ref
-            ax.errorbar(xs, pct, yerr=band, fmt="none", ecolor="black", lw=0.8, capsize=2)
-    ax.axhline(0, color="black", lw=0.6)
-    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("validation loss vs dense (%), lower is better")
-    ax.set_title("MoD, MoE and MoDE at equal training FLOPs (whiskers: seed spread)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "mode.png")
-    plt.close(fig)
+    groups = [(f"{b['budget']:.2g} FLOPs", b["loss"], b["seed_spread"]) for b in budgets]
+    title = "MoD, MoE and MoDE at equal training FLOPs (whiskers: seed spread)"
+    plot_vs_dense(groups, labels, out / "mode.png", title, rotate=True)
 
 
 PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)
