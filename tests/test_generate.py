@@ -244,9 +244,11 @@ def _pick_eos(tokens: list[list[int]], n_new: int) -> tuple[int, int]:
     raise AssertionError(f"no token is unique to one row: {tokens}")
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
-def test_eos_stops_one_row_while_others_go_on(routing):
-    model = make_model(routing=routing, causal_router="predictor", dtype=F64)
+@pytest.mark.parametrize(
+    "routing, skipped_kv", [("joint", "none"), ("staggered", "none"), ("staggered", "residual")]
+)
+def test_eos_stops_one_row_while_others_go_on(routing, skipped_kv):
+    model = make_model(routing=routing, causal_router="predictor", dtype=F64, skipped_kv=skipped_kv)
     prompts = make_prompts((6, 10, 4, 9), seed=3)
     free = generate_reference(model, prompts, N_NEW)
     row, eos = _pick_eos(free.tokens, N_NEW)
@@ -700,10 +702,11 @@ def test_forward_with_a_cache_refuses_what_cannot_be_cached():
     assert cache.positions().tolist() == [6, 5]
 
 
-def test_decode_step_of_some_rows_equals_full_recomputation():
+@pytest.mark.parametrize("skipped_kv", ["none", "residual"])
+def test_decode_step_of_some_rows_equals_full_recomputation(skipped_kv):
     """Rows fed unevenly (row 1 every step, row 0 every other step) through cache views: each
     row's logits equal the full causal forward of its own sequence (float64)."""
-    model = make_model(routing="joint", causal_router="predictor", dtype=F64)
+    model = make_model(routing="joint", causal_router="predictor", dtype=F64, skipped_kv=skipped_kv)
     prompts = make_prompts((7, 4))
     idx, lens = pad(prompts)
     cache = KVCache(model.config, 2, 40, dtype=F64)
