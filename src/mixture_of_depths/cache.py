@@ -1,5 +1,5 @@
 """The KV-cache protocol the model's forward reads and writes, and `KVCache`, which holds only the
-tokens that took each layer.
+tokens that took each layer (every token, in layers with ``skipped_kv="residual"``).
 
 `MoDTransformer.forward(idx, cache=...)` is the one forward path of training, prefill and decode: a
 block that runs attention hands its new keys and values to the cache through `kv_hook`. On a

@@ -3,7 +3,8 @@ the model, whose one forward path serves training, evaluation, prefill and decod
 
 docs/semantics.md states what is computed. A routed block's router reads the residual stream; in
 top-k mode the ``k = capacity_tokens(capacity, T)`` highest-scoring tokens of each row, in position
-order, are gathered, run through the block (attending only among themselves, at their original
+order, are gathered, run through the block (attending only among themselves, or with
+``skipped_kv="residual"`` to every earlier token's key from the layer input, at their original
 rotary positions) and scattered back as ``x + g(r) * f``, where ``f`` is the block's update; every
 other token leaves bit for bit unchanged. In causal mode each token decides for itself (its router
 or predictor logit > 0), so no decision reads a later token.
@@ -369,8 +370,9 @@ class RoutedBlock(Block):
         self, kind: str, x_N1D: Tensor, r_N1: Tensor | None, take_N1: Tensor, p: Pass
     ) -> Tensor:
         """Decode step: run the block on the rows whose token takes it (`take_N1` on the host),
-        and only they append to this layer's cache. `r_N1` None: the router weights are needed
-        for the gate of the taking rows only (predictor mode), computed here."""
+        and only they append to this layer's cache (with ``skipped_kv="residual"`` every row
+        appends its key and value first). `r_N1` None: the router weights are needed for the gate
+        of the taking rows only (predictor mode), computed here."""
         sel = take_N1.view(-1).nonzero().view(-1)
         m, n = len(sel), len(take_N1)
         residual = kind != "mlp" and self.residual_kv
