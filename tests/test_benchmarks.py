@@ -41,6 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
             {"results", "ratios"},
         ),
         (
+            "decode.py",
+            ["--preset", "tiny", "--prompt-len", "16", "--new-tokens", "4", "--repeats", "1",
+             "--skipped-kv", "residual"],
+            {"results", "ratios", "skipped_kv"},
+        ),  # fmt: skip
+        (
             "gpu.py",
             ["--preset", "tiny", "--seq-lens", "32", "--tokens", "64", "--repeats", "1"],
             {"gpu"} if not torch.cuda.is_available() else {"train", "bars"},

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--new-tokens", type=int, default=64, help="decode steps timed per run (default: 64)"
     )
     p.add_argument(
+        "--skipped-kv",
+        choices=("none", "residual"),
+        default="none",
+        help="the MoD model's KV strategy (docs/semantics.md; default: %(default)s)",
+    )
+    p.add_argument(
         "--max-seq-len",
         type=int,
         default=None,
@@ -213,6 +219,7 @@ def build_models(
             layer_pattern=args.layer_pattern,
             capacity=args.capacity,
             causal_router="predictor",
+            skipped_kv=args.skipped_kv,
         )
         torch.manual_seed(args.seed)
         mod = MoDTransformer(mod_cfg).to(device)
@@ -387,6 +394,7 @@ def print_report(
     src = f"checkpoint={args.checkpoint}" if args.checkpoint else f"preset={args.preset}"
     print(
         f"decode: {src} pattern={mod_cfg.layer_pattern} capacity={mod_cfg.capacity:g} "
+        f"skipped_kv={mod_cfg.skipped_kv} "
         f"causal_router={mod_cfg.causal_router} calibrated={args.calibrate} feed={args.feed} "
         f"prompt={P} new={N} device={args.device} dtype={args.dtype} "
         f"threads={torch.get_num_threads()} repeats={args.repeats} warmup={args.warmup} "
@@ -515,6 +523,7 @@ def main(argv: Sequence[str] | None = None, json_line: bool = True) -> dict:
         "preset": None if args.checkpoint else args.preset,
         "layer_pattern": mod_cfg.layer_pattern,
         "capacity": mod_cfg.capacity,
+        "skipped_kv": mod_cfg.skipped_kv,
         "causal_router": mod_cfg.causal_router,
         "calibrated": args.calibrate,
         "feed": args.feed,

@@ -102,6 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layer-pattern", default="DR", help="pattern of the routed models (default: DR)"
     )
+    p.add_argument(
+        "--skipped-kv",
+        choices=("none", "residual"),
+        default="none",
+        help="KV strategy of the routed models (docs/semantics.md; default: %(default)s)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds (default: %(default)s)")
     p.add_argument(
@@ -173,7 +179,11 @@ def model_configs(args: argparse.Namespace, seq_len: int) -> dict[str, MoDConfig
     max_len = max(seq_len, MoDConfig.preset(args.preset).max_seq_len)
     routed = {
         f"c={c:g}": MoDConfig.preset(
-            args.preset, max_seq_len=max_len, layer_pattern=args.layer_pattern, capacity=c
+            args.preset,
+            max_seq_len=max_len,
+            layer_pattern=args.layer_pattern,
+            capacity=c,
+            skipped_kv=args.skipped_kv,
         )
         for c in args.capacities
     }
@@ -366,6 +376,7 @@ def bench_decode(args: argparse.Namespace) -> dict:
 
     argv = ["--preset", args.preset, "--batch-sizes", "1,8", "--device", args.device]
     argv += ["--layer-pattern", args.layer_pattern, "--capacity", str(min(args.capacities))]
+    argv += ["--skipped-kv", args.skipped_kv]
     if args.preset == "tiny":  # a smoke run: short context
         argv += ["--prompt-len", "16", "--new-tokens", "4", "--repeats", "1"]
     threads = torch.get_num_threads()
@@ -677,6 +688,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }.get(s, 0)
     print(
         f"mod bench: preset={args.preset} pattern={args.layer_pattern} "
+        f"skipped_kv={args.skipped_kv} "
         f"capacities={args.capacities} seq_lens={args.seq_lens} tokens/step={args.tokens} "
         f"device={device.type} dtype={args.dtype} threads={torch.get_num_threads()} "
         f"repeats={args.repeats} warmup={args.warmup} torch={torch.__version__}"
