@@ -164,16 +164,24 @@ def test_cli_train_eval_resume_smoke(corpus: Path, tmp_path: Path, capsys):
         "1",
         "--batch-size",
         "2",
+        "--skipped-kv",
+        "residual",
         "--no-progress",
         "--json",
     ]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 4 and set(summary["routing_accuracy"]) == {"1", "3"}
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["skipped_kv"] == "residual"
     assert (out / "checkpoint" / "model.safetensors").exists() and (out / "loss.png").exists()
     assert main(["eval", str(out / "checkpoint"), "--batches", "1", "--batch-size", "2"]) == 0
     text = capsys.readouterr().out
     assert "validation loss" in text and "routing accuracy layer 1" in text
+    ev = ["eval", str(out / "checkpoint"), "--batches", "1", "--prefill-calibration"]
+    assert main([*ev, "--json"]) == 0
+    pc = json.loads(capsys.readouterr().out)["prefill_calibration"]
+    assert pc["loss_gap"] == pytest.approx(pc["loss_topk_prefill"] - pc["loss_causal_prefill"])
+    assert main(ev) == 0 and "prompt decisions that differ" in capsys.readouterr().out
     assert main(["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"]) == 0
     assert max(losses(out)) == 6
     assert main(["presets"]) == 0 and "small-dense" in capsys.readouterr().out

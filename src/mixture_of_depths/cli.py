@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="(default: the run's batch size, so the numbers match its last eval)",
     )
+    p.add_argument(
+        "--prefill-calibration",
+        action="store_true",
+        help="also score the second half of the first validation batch teacher-forced after "
+        "prefilling the first half causally and with top-k, and count the prompt decisions that "
+        "differ (MoD models; docs/semantics.md, KV strategies)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -265,6 +272,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         n_batches=args.batches,
         batch_size=args.batch_size,
         device=args.device,
+        prefill_calibration=args.prefill_calibration,
     )
     if args.json:
         print(json_text(res))

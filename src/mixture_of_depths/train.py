@@ -823,6 +823,13 @@ def format_eval_lines(ev: dict[str, Any]) -> list[str]:
     if ev.get("expert_take_rate"):
         rate = ", ".join(f"L{k} {v:.1%}" for k, v in ev["expert_take_rate"].items())
         lines.append(f"tokens running a real expert (causal forward): {rate}")
+    if ev.get("prefill_calibration"):
+        pc = ev["prefill_calibration"]
+        lines.append(
+            f"prefill calibration (teacher-forced second half): causal prefill "
+            f"{pc['loss_causal_prefill']:.4f}, top-k prefill {pc['loss_topk_prefill']:.4f} "
+            f"({pc['loss_gap']:+.4f}); prompt decisions that differ {pc['decisions_differ']:.1%}"
+        )
     if ev.get("train_expert_share"):
         share = ", ".join(f"L{k} {v:.1%}" for k, v in ev["train_expert_share"].items())
         lines.append(f"expert slots run in training (mean over logged steps): {share}")
@@ -901,11 +908,13 @@ def evaluate_checkpoint(
     n_batches: int | None = None,
     batch_size: int | None = None,
     device: str = "auto",
+    prefill_calibration: bool = False,
 ) -> dict[str, Any]:
     """`mod eval`: validation loss in both modes and routing accuracy of a saved model.
 
     `n_batches` / `batch_size` None: the run's own (from the checkpoint), so the numbers match
-    its last evaluation; a given value must be >= 1.
+    its last evaluation; a given value must be >= 1. `prefill_calibration` (MoD models): also
+    `generate.prefill_calibration` on the first batch, prompts of half the sequence.
     """
     for name, value in (("n_batches", n_batches), ("batch_size", batch_size)):
         Range(lo=1, integer=True, optional=True).check(name, value)
@@ -930,4 +939,14 @@ def evaluate_checkpoint(
     n_batches = run_setting("eval_batches", n_batches, TrainConfig.eval_batches)
     _, val_tokens, _ = load_splits(data, tokenizer)
     batches = eval_batches(val_tokens, batch_size, seq_len, n_batches)
-    return {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
+    out = {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
+    if prefill_calibration:
+        if cfg.is_dense:
+            raise ValueError(
+                "prefill calibration compares routing decisions: a dense model has none"
+            )
+        from .generate import prefill_calibration as calibrate
+
+        x = batches[0][0]
+        out["prefill_calibration"] = calibrate(model, x, max(1, x.shape[1] // 2))
+    return out
