@@ -171,6 +171,7 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
     for r in results:
         m = measures[r["name"]]
         assert m["decode_tok_s_b1"] > 0 and m["decode_tok_s_b8"] > 0
+        assert [s for s, _ in m["train_curve"]][-1] == r["steps"]
         cfg = MoDConfig(**r["model"])
         full = 2 * 2 * cfg.n_kv_heads * cfg.head_dim * cfg.n_layers  # bf16, every layer
         if cfg.is_dense or cfg.skipped_kv == "residual":
@@ -181,5 +182,6 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
     report = (out / "report.md").read_text()
     assert "## Budget 1.0e+09 FLOPs, sequences of 64" in report
     assert "capacity 12.5%: none" in report and (out / "kv.png").exists()
+    assert "at the same steps" in report  # the pair's training loss on the same batches
     cells = json.loads((out / "findings.json").read_text())["cells"]
     assert [c["seq_len"] for c in cells] == [32, 64] and all(c["pairs"] for c in cells)

@@ -176,6 +176,27 @@ def measure_run(ckpt: Path, seq_len: int, data: str | None) -> dict[str, Any]:
     return out
 
 
+def train_curve(run_dir: Path) -> list[list[float]]:
+    """The run's logged (step, training LM loss) pairs, from its metrics.jsonl."""
+    rows = load_results(run_dir / "metrics.jsonl")
+    return [[r["step"], r["lm_loss"]] for r in rows if "lm_loss" in r and "step" in r]
+
+
+def same_steps_loss(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """The two runs' mean training LM loss over the last quarter of the steps both reached (the
+    same batches, in the same order, for the same seed): how they compare per step, apart from
+    the steps their FLOPs buy."""
+    if not a.get("train_curve") or not b.get("train_curve"):
+        return None
+    ca, cb = dict(map(tuple, a["train_curve"])), dict(map(tuple, b["train_curve"]))
+    common = sorted(set(ca) & set(cb))
+    if not common:
+        return None
+    last = [s for s in common if s > 0.75 * common[-1]] or common[-1:]
+    mean = lambda c: sum(c[s] for s in last) / len(last)  # noqa: E731
+    return {"from_step": last[0], "to_step": last[-1], "a": mean(ca), "b": mean(cb)}
+
+
 def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | None) -> None:
     """Measure every finished run not yet in ``measures.jsonl`` whose checkpoint is kept."""
     from .checkpoint import resolve_checkpoint
@@ -190,6 +211,7 @@ def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | No
         print(f"measuring {r['name']}")
         ckpt = resolve_checkpoint(run_dir / CHECKPOINT_NAME)
         row = {"name": r["name"], **measure_run(ckpt, r["seq_len"], data)}
+        row["train_curve"] = train_curve(run_dir)
         with path.open("a") as fh:
             fh.write(json_text(row) + "\n")
 
@@ -214,6 +236,8 @@ def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
             for cap in ("12.5%", "25%"):
                 a, b = f"MoD {cap}, none", f"MoD {cap}, residual"
                 if a in loss and b in loss:
+                    first = {r["label"]: r for r in rows if r["seed"] == 0}
+                    per_step = same_steps_loss(first[a], first[b])
                     diff = loss[a] - loss[b]  # > 0: residual is better
                     if spread is None:
                         verdict = "no second seed at this budget"
@@ -228,6 +252,8 @@ def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
                             "residual": loss[b],
                             "gain_residual": diff / loss[a],
                             "verdict": verdict,
+                            "steps": [first[a]["steps"], first[b]["steps"]],
+                            "train_loss_same_steps": per_step,
                         }
                     )
             out["cells"].append(
@@ -308,10 +334,19 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
     for c in summary["cells"]:
         sp = "-" if c["seed_spread"] is None else f"{c['seed_spread']:.4f}"
         for p in c["pairs"]:
+            same = p["train_loss_same_steps"]
+            per_step = (
+                ""
+                if same is None
+                else f" Steps {p['steps'][0]} against {p['steps'][1]}; at the same steps "
+                f"({same['from_step']}-{same['to_step']}) training loss {same['a']:.4f} against "
+                f"{same['b']:.4f}."
+            )
             lines.append(
                 f"- budget {c['budget']:.0e}, T={c['seq_len']}, capacity {p['capacity']}: none "
-                f"{p['none']:.4f}, residual {p['residual']:.4f} ({100 * p['gain_residual']:+.2f}% "
-                f"for residual; seed spread {sp}): {p['verdict']}."
+                f"{p['none']:.4f}, residual {p['residual']:.4f} (residual "
+                f"{-100 * p['gain_residual']:+.2f}% against none; seed spread {sp}): "
+                f"{p['verdict']}.{per_step}"
             )
     lines.append("")
     for budget in sorted({r["budget"] for r in rows}):
