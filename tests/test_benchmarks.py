@@ -42,8 +42,18 @@ ROOT = Path(__file__).resolve().parents[1]
         ),
         (
             "decode.py",
-            ["--preset", "tiny", "--prompt-len", "16", "--new-tokens", "4", "--repeats", "1",
-             "--skipped-kv", "residual"],
+            [
+                "--preset",
+                "tiny",
+                "--prompt-len",
+                "16",
+                "--new-tokens",
+                "4",
+                "--repeats",
+                "1",
+                "--skipped-kv",
+                "residual",
+            ],
             {"results", "ratios", "skipped_kv"},
         ),  # fmt: skip
         (

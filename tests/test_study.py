@@ -153,7 +153,7 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
     settings = dataclasses.replace(sk.QUICK, budgets=(1e9,), eval_batches=1)
     monkeypatch.setattr(sk, "QUICK", settings)
     monkeypatch.setattr(sk, "ARCHS", sk.ARCHS[:3])  # dense, 12.5% none, 12.5% residual
-    monkeypatch.setattr(sk, "DECODE_REPEATS", 1)
+    monkeypatch.setattr(sk, "DECODE_ROUNDS", 1)
     out, work = tmp_path / "kv", tmp_path / "work"
     results = st.study(out, work, quick=True, data=data, progress=False, plan=sk.PLAN)
     assert len(results) == 2 * 3 + 2 * 2  # two lengths x three models, then two seeds a length
@@ -168,6 +168,8 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
         assert {(T, lab, 1) in by for lab in ("MoD 12.5%, none", "MoD 12.5%, residual")} == {True}
     measures = {m["name"]: m for m in st.load_results(out / "measures.jsonl")}
     assert set(measures) == {r["name"] for r in results}
+    for m in st.load_results(out / "decode.jsonl"):  # one row per model, every cell measured
+        measures[m["name"]].update(m)
     for r in results:
         m = measures[r["name"]]
         assert m["decode_tok_s_b1"] > 0 and m["decode_tok_s_b8"] > 0

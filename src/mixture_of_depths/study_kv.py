@@ -12,12 +12,13 @@ seed; a difference counts only beyond those runs' seed spread.
 
 Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, which charges
 "residual" its skippers' K/V projections and its routed queries' attention over every key). After
-training, each model is measured with nothing else of the study running (`measure`): decode
-tokens/s at batch 1 and 8 (one thread, a prompt of half the sequence, 64 greedy tokens, median of
-3 after a warm-up), the KV bytes per token its cache held (bf16), and the prefill calibration of
-`generate.prefill_calibration` (teacher-forced loss after a causal against a top-k prefill of
-half the sequence, and the share of prompt decisions that differ). Measurements are kept in
-``measures.jsonl``; delete it to measure again.
+training, each model is measured with nothing else of the study running (`measure`): the KV
+bytes per token its cache held (bf16), the prefill calibration of `generate.prefill_calibration`
+(teacher-forced loss after a causal against a top-k prefill of half the sequence, and the share
+of prompt decisions that differ), and decode tokens/s at batch 1 and 8, the models of each budget
+and length side by side (`decode_speeds`: one thread, a prompt of half the sequence, 128 greedy
+tokens, the median of 7 interleaved rounds). Measurements are kept in ``measures.jsonl`` and
+``decode.jsonl``; delete one to measure again.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ QUICK = StudySettings(
     ablation_size="S",
 )
 
-DECODE_NEW = 64
+DECODE_NEW = 128
 DECODE_BATCHES = (1, 8)
-DECODE_REPEATS = 3
+DECODE_ROUNDS = 7
 
 
 def _lengths(settings: StudySettings) -> tuple[tuple[int, int], ...]:
@@ -140,39 +141,78 @@ def seed_specs(
 
 
 # -- measurements of the trained models ---------------------------------------------------------
+def _val_tokens(ckpt: Path, data: str | None) -> torch.Tensor:
+    from .data import load_splits, load_tokenizer
+
+    return load_splits(data, load_tokenizer(ckpt))[1]
+
+
+def _prompts(val: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, int]:
+    """Held-out prompts of half the sequence (as many rows as the largest batch), and the
+    decode steps that fit after them."""
+    from .data import eval_batches
+
+    prompt_len = seq_len // 2
+    rows = eval_batches(val, max(DECODE_BATCHES), prompt_len, 1)[0][0]
+    return rows, min(DECODE_NEW, seq_len - prompt_len)
+
+
 def measure_run(ckpt: Path, seq_len: int, data: str | None) -> dict[str, Any]:
-    """Decode speed at batch 1 and 8, the KV bytes per token the cache held, and the prefill
-    calibration, of the model saved in `ckpt` (on the CPU, one thread)."""
+    """The KV bytes per token the cache held in a greedy decode at batch 8 (had it been bf16),
+    the take-rates of that decode, and the prefill calibration of the model saved in `ckpt`."""
     from .bench.decode import decode_run
     from .checkpoint import load_model
-    from .data import eval_batches, load_splits, load_tokenizer
+    from .data import eval_batches
     from .generate import prefill_calibration
 
     model, cfg = load_model(ckpt)
     model.eval()
-    _, val, _ = load_splits(data, load_tokenizer(ckpt))
-    prompt_len = seq_len // 2
-    new = min(DECODE_NEW, seq_len - prompt_len)
-    rows = eval_batches(val, max(DECODE_BATCHES), prompt_len, 1)[0][0]
-    out: dict[str, Any] = {}
+    val = _val_tokens(ckpt, data)
+    prompts, new = _prompts(val, seq_len)
+    run = decode_run(model, prompts, new, lambda: None)
+    kv_entry = 2 * cfg.n_kv_heads * cfg.head_dim  # elements a token stores in one layer
+    out: dict[str, Any] = {
+        "kv_bytes_per_token_measured": 2 * kv_entry * sum(run["cached_share"]),
+        "take_decode": run["take_decode"],
+    }
+    if not cfg.is_dense:
+        idx = eval_batches(val, 8, seq_len, 1)[0][0]
+        out.update(prefill_calibration(model, idx, seq_len // 2))
+    return out
+
+
+def decode_speeds(
+    ckpts: dict[str, Path], seq_len: int, data: str | None
+) -> dict[str, dict[str, float]]:
+    """Decode tokens/s at batch 1 and 8 of the models of one cell (one budget and length),
+    measured side by side: every round decodes once with each model, in an order that rotates
+    every round, so drift and stray load hit all alike; the median over `DECODE_ROUNDS` rounds
+    after a warm-up, and the spread (max - min) / median. CPU, one thread; only the decode
+    steps are timed (`bench.decode.decode_run`)."""
+    from .bench.decode import decode_run
+    from .checkpoint import load_model
+
+    models = {name: load_model(c)[0].eval() for name, c in ckpts.items()}
+    prompts, new = _prompts(_val_tokens(next(iter(ckpts.values())), data), seq_len)
+    names = list(models)
+    secs: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in DECODE_BATCHES}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # decode ops are too small to share between threads
     try:
         for b in DECODE_BATCHES:
-            prompt = rows[:b]
-            decode_run(model, prompt, new, lambda: None)  # warm-up
-            runs = [decode_run(model, prompt, new, lambda: None) for _ in range(DECODE_REPEATS)]
-            out[f"decode_tok_s_b{b}"] = b * new / statistics.median(r["seconds"] for r in runs)
-            if b == max(DECODE_BATCHES):
-                # bytes per token of context held, had the cache been bf16 (2 bytes an element)
-                kv_entry = 2 * cfg.n_kv_heads * cfg.head_dim
-                out["kv_bytes_per_token_measured"] = 2 * kv_entry * sum(runs[-1]["cached_share"])
-                out["take_decode"] = runs[-1]["take_decode"]
+            for rnd in range(DECODE_ROUNDS + 1):
+                k = rnd % len(names)
+                for name in names[k:] + names[:k]:
+                    took = decode_run(models[name], prompts[:b], new, lambda: None)["seconds"]
+                    if rnd:  # round 0 warms up
+                        secs[name, b].append(took)
     finally:
         torch.set_num_threads(threads)
-    if not cfg.is_dense:
-        idx = eval_batches(val, 8, seq_len, 1)[0][0]
-        out.update(prefill_calibration(model, idx, prompt_len))
+    out: dict[str, dict[str, float]] = {n: {} for n in names}
+    for (name, b), ts in secs.items():
+        med = statistics.median(ts)
+        out[name][f"decode_tok_s_b{b}"] = b * new / med
+        out[name][f"decode_spread_b{b}"] = (max(ts) - min(ts)) / med
     return out
 
 
@@ -198,28 +238,46 @@ def same_steps_loss(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | No
 
 
 def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | None) -> None:
-    """Measure every finished run not yet in ``measures.jsonl`` whose checkpoint is kept."""
+    """Measure the trained models whose checkpoints are kept: each run not yet in
+    ``measures.jsonl`` (cache bytes, prefill calibration, training curve), then decode speed,
+    cell by cell, for the cells with a run not yet in ``decode.jsonl`` (all of the cell's models
+    again, side by side). Delete a file to measure again."""
     from .checkpoint import resolve_checkpoint
     from .train import CHECKPOINT_NAME, has_checkpoint
 
+    kept = [r for r in results if has_checkpoint(work / r["name"])]
+    ckpt = {r["name"]: resolve_checkpoint(work / r["name"] / CHECKPOINT_NAME) for r in kept}
     path = out / "measures.jsonl"
     done = {m["name"] for m in load_results(path)}
-    for r in results:
-        run_dir = work / r["name"]
-        if r["name"] in done or not has_checkpoint(run_dir):
+    for r in kept:
+        if r["name"] in done:
             continue
         print(f"measuring {r['name']}")
-        ckpt = resolve_checkpoint(run_dir / CHECKPOINT_NAME)
-        row = {"name": r["name"], **measure_run(ckpt, r["seq_len"], data)}
-        row["train_curve"] = train_curve(run_dir)
+        row = {"name": r["name"], **measure_run(ckpt[r["name"]], r["seq_len"], data)}
+        row["train_curve"] = train_curve(work / r["name"])
         with path.open("a") as fh:
             fh.write(json_text(row) + "\n")
+    path = out / "decode.jsonl"
+    done = {m["name"] for m in load_results(path)}
+    for budget, T in sorted({(r["budget"], r["seq_len"]) for r in kept}):
+        cell = [r["name"] for r in kept if (r["budget"], r["seq_len"]) == (budget, T)]
+        if all(name in done for name in cell):
+            continue
+        print(f"decode speed: budget {budget:.0e}, T={T}, {len(cell)} models side by side")
+        speeds = decode_speeds({name: ckpt[name] for name in cell}, T, data)
+        with path.open("a") as fh:
+            for name in cell:
+                fh.write(json_text({"name": name, **speeds[name]}) + "\n")
 
 
 # -- report -------------------------------------------------------------------------------------
 def _merged(results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
-    measures = {m["name"]: m for m in load_results(out / "measures.jsonl")}
-    return [{**r, **measures.get(r["name"], {})} for r in results]
+    rows = [dict(r) for r in results]
+    for file in ("measures.jsonl", "decode.jsonl"):  # the later measurement of a name wins
+        found = {m["name"]: m for m in load_results(out / file)}
+        for r in rows:
+            r.update(found.get(r["name"], {}))
+    return rows
 
 
 def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -281,6 +339,12 @@ def _f(r: dict[str, Any], key: str, fmt: str) -> str:
     return "" if v is None else format(v, fmt)
 
 
+def _speed(r: dict[str, Any], b: int) -> str:
+    """Decode tokens/s at batch `b`, with the spread of its rounds."""
+    v, spread = r.get(f"decode_tok_s_b{b}"), r.get(f"decode_spread_b{b}")
+    return "" if v is None else f"{v:,.0f}" + ("" if spread is None else f" ({spread:.0%})")
+
+
 def _row(r: dict[str, Any], dense_loss: float | None) -> str:
     rel = (
         ""
@@ -291,8 +355,8 @@ def _row(r: dict[str, Any], dense_loss: float | None) -> str:
         f"| {r['label']} | {r['seed']} | {r['params'] / 1e6:.2f}M | "
         f"{r['flops_per_forward_token'] / 1e6:.3f}M | {r['steps']} | {r['val_loss_causal']:.4f} | "
         f"{rel} | {_f(r, 'kv_bytes_per_token_measured', ',.0f')} | "
-        f"{r['decode_flops_per_token'] / 1e6:.3f}M | {_f(r, 'decode_tok_s_b1', ',.0f')} | "
-        f"{_f(r, 'decode_tok_s_b8', ',.0f')} | {_f(r, 'loss_causal_prefill', '.4f')} | "
+        f"{r['decode_flops_per_token'] / 1e6:.3f}M | {_speed(r, 1)} | {_speed(r, 8)} | "
+        f"{_f(r, 'loss_causal_prefill', '.4f')} | "
         f"{_f(r, 'loss_topk_prefill', '.4f')} | {_f(r, 'decisions_differ', '.1%')} |"
     )
 
@@ -321,8 +385,9 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
         "training FLOPs per step); `residual` is charged its extra K/V projections and its "
         "wider attention. Val loss: causal routing, nats per token (what generation gets). KV "
         "bytes per token: what the decode cache held per token of context, counted at 2 bytes "
-        "an element. Decode: CPU, one thread, prompt of half the sequence, 64 greedy tokens, "
-        "median of 3; measured after training, nothing else of the study running. Prefill: "
+        "an element. Decode: CPU, one thread, prompt of half the sequence, 128 greedy tokens, "
+        "the models of a table side by side, median of 7 interleaved rounds (spread: (max - "
+        "min) / median); measured after training, nothing else running. Prefill: "
         "teacher-forced loss on the second half of 8 held-out sequences after prefilling the "
         "first half causally (exact) or with top-k (the paper's prefill), and the share of the "
         "prompt's routing decisions that differ. Generated by `mod study --plan kv`; plot: "
