@@ -259,7 +259,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
         tc = TrainConfig(**train_over)
         summary = train(cfg, tc, overwrite=args.overwrite, progress=not args.no_progress)
-    print(json_text(summary) if args.json else format_summary(summary))
+    from .distributed import env_from_torchrun
+
+    if env_from_torchrun().is_main:  # under torchrun, rank 0 reports for the job
+        print(json_text(summary) if args.json else format_summary(summary))
     return 0
 
 

@@ -11,6 +11,7 @@ restored, and batches are a pure function of (seed, step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed as D
 from .checkpoint import (
     CheckpointError,
     corrupt,
@@ -90,10 +92,16 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # "auto": cuda if available, else cpu
     compile: bool = False
+    # Micro-batches per step (per process under torchrun): the same step in less memory.
+    grad_accum: int = 1
+    # Parameters and compute: "float32" (CUDA autocasts matmuls to bf16), or "float64" for
+    # exactness checks (no autocast).
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         check_fields(self, TRAIN_RANGES)
         check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
+        check_choice("dtype", self.dtype, ("float32", "float64"))
         for name in ("out", "device"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -106,7 +114,8 @@ class TrainConfig:
 # The allowed range of every numeric field, checked in one place (`checks.check_fields`).
 TRAIN_RANGES: dict[str, Range] = {
     **dict.fromkeys(
-        ("batch_size", "steps", "eval_every", "eval_batches", "log_every"), POSITIVE_INT
+        ("batch_size", "steps", "eval_every", "eval_batches", "log_every", "grad_accum"),
+        POSITIVE_INT,
     ),
     "bpe_vocab_size": Range(lo=257, integer=True),  # the 256 bytes and the end-of-text token
     "seq_len": Range(lo=1, integer=True, optional=True),
@@ -286,6 +295,7 @@ _RESUME_FIXED = (
     "beta2",
     "grad_clip",
     "seed",
+    "dtype",
 )
 
 
@@ -347,6 +357,7 @@ class _Run:
     # values, kept on the device so that watching costs no host sync (`_check_finite` reads it).
     bad_step: torch.Tensor | None = None
     bad_values: torch.Tensor | None = None
+    env: D.DistEnv = dataclasses.field(default_factory=D.DistEnv)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -410,7 +421,8 @@ def resume_config(out: str | Path, overrides: dict[str, Any] | None = None) -> T
     `train` then refuses with the list of differences)."""
     out_dir = Path(out)
     _check_out(out_dir)
-    if out_dir.is_dir():  # a run in progress there is the first thing to say
+    # A run in progress there is the first thing to say (rank 0's to check, under torchrun).
+    if out_dir.is_dir() and D.env_from_torchrun().is_main:
         RunLock(out_dir).acquire().release()
     if not has_checkpoint(out_dir):
         raise _no_checkpoint(out_dir)
@@ -472,12 +484,33 @@ def _remove_stale_temps(out_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwrite: bool) -> _Run:
+class _NoLog:
+    """The metrics log of a rank other than 0: rank 0 writes the (rank-averaged) lines."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+
+def _start(
+    model_config: MoDConfig | None,
+    tc: TrainConfig,
+    resume: bool,
+    overwrite: bool,
+    env: D.DistEnv | None = None,
+    device: torch.device | None = None,
+) -> _Run:
     """Set up a new run, or restore one exactly from its checkpoint (`resume`). The caller holds
-    the folder's lock."""
+    the folder's lock (rank 0, under torchrun; the other ranks write nothing)."""
     out_dir = Path(tc.out)
-    device = resolve_device(tc.device)
-    _remove_stale_temps(out_dir)
+    env = D.DistEnv() if env is None else env
+    device = resolve_device(tc.device) if device is None else device
+    if tc.batch_size % (env.world_size * tc.grad_accum):
+        raise ValueError(
+            f"batch_size {tc.batch_size} (the global batch) must split evenly over "
+            f"{env.world_size} process(es) x grad_accum {tc.grad_accum}"
+        )
+    if env.is_main:
+        _remove_stale_temps(out_dir)
     ckpt, trainer_state, tokenizer = None, None, None
     if resume:
         ckpt, trainer_state = _load_resume(tc)
@@ -497,7 +530,11 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
     elif any((out_dir / name).exists() for name in RUN_FILES) and not overwrite:
         raise _no_checkpoint(out_dir)
     torch.manual_seed(tc.seed)
+    if not env.is_main:  # rank 0 fills the token cache first; the others then read it
+        D.barrier(env)
     train_tokens, val_tokens, tokenizer = _prepare_data(tc, tokenizer)
+    if env.is_main:
+        D.barrier(env)
     fingerprint = stream_fingerprint(train_tokens)
     if trainer_state is not None and trainer_state.get("data_fingerprint", fingerprint) != (
         fingerprint
@@ -521,7 +558,7 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
         )
     if not resume:
         model = MoDTransformer(model_config).to(device)
-    model.train()
+    model = model.to(getattr(torch, tc.dtype)).train()
     opt = make_optimizer(model, tc)
     sampler = BatchSampler(train_tokens, tc.batch_size, seq_len, seed=tc.seed)
     if resume:
@@ -543,10 +580,12 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
             "--seq-len or more data"
         ) from exc
     start_step = int(trainer_state["step"]) if trainer_state else 0
-    if overwrite and not resume:  # only now that the new run has passed every check
+    if overwrite and not resume and env.is_main:  # only now that the run has passed every check
         _clear_run(out_dir)
-    log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
-    if not resume:
+    log: Any = _NoLog()
+    if env.is_main:
+        log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
+    if not resume and env.is_main:
         write_json(
             out_dir / "run.json", {"model": model_config.to_dict(), "train": dataclasses.asdict(tc)}
         )
@@ -564,8 +603,9 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
         log=log,
         start_step=start_step,
         elapsed=float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0,
-        step_fn=torch.compile(model) if tc.compile else model,
+        step_fn=_step_module(model, tc, env, device),
         saved_step=start_step,
+        env=env,
         bad_step=torch.zeros((), dtype=torch.int64, device=device),
         bad_values=torch.zeros(3, device=device),
     )
@@ -575,18 +615,53 @@ def _start(model_config: MoDConfig | None, tc: TrainConfig, resume: bool, overwr
     return run
 
 
+def _step_module(
+    model: MoDTransformer, tc: TrainConfig, env: D.DistEnv, device: torch.device
+) -> torch.nn.Module:
+    """What a training step calls: the model, compiled or not, wrapped in DDP under torchrun
+    (gradients averaged over ranks). Unused parameters are searched for: a routed block at k = 0,
+    an expert no token chose, or random-score routers give some parameters no gradient on some
+    steps, and DDP would otherwise wait for them forever."""
+    module: torch.nn.Module = model
+    if env.active:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [device.index] if device.type == "cuda" else None
+        module = DDP(model, device_ids=ids, find_unused_parameters=True)
+    return torch.compile(module) if tc.compile else module
+
+
+def _autocast(run: _Run) -> torch.autocast:
+    return autocast_for(run.device, None if run.tc.dtype == "float32" else "float32")
+
+
 def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
-    """One optimizer step: the batch of `step`, forward, backward, clipping, AdamW. Returns the
-    output, the (pre-clip) gradient norm of the LM parameters and the learning rate."""
+    """One optimizer step: the batch of `step` (this rank's rows of it, in `grad_accum`
+    micro-batches), forward, backward, clipping, AdamW. Returns the output (its losses the means
+    over the micro-batches), the (pre-clip) gradient norm of the LM parameters and the learning
+    rate."""
     tc = run.tc
     lr = lr_at(step, tc)
     for group in run.opt.param_groups:
         group["lr"] = lr
     x, y = run.sampler.next_batch()
-    x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-    with autocast_for(run.device):
-        out = run.step_fn(x, y)
-    out.loss.backward()
+    rows = D.local_rows(run.env, tc.batch_size)
+    x, y = x[rows].to(run.device, non_blocking=True), y[rows].to(run.device, non_blocking=True)
+    n = tc.grad_accum
+    if n == 1:
+        with _autocast(run):
+            out = run.step_fn(x, y)
+        out.loss.backward()
+    else:
+        outs = []
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
+            # DDP reduces gradients on the last micro-batch only
+            sync = i == n - 1 or not hasattr(run.step_fn, "no_sync")
+            with contextlib.nullcontext() if sync else run.step_fn.no_sync(), _autocast(run):
+                out = run.step_fn(xm, ym)
+                (out.loss / n).backward()
+            outs.append(out)
+        out = _mean_output(outs)
     # Clip before the step: clipping after it would be a no-op on this update.
     max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(run.lm_params, max_norm)
@@ -598,6 +673,23 @@ def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
     run.opt.zero_grad(set_to_none=True)
     run.window_tokens += run.tokens_per_step
     return out, grad_norm, lr
+
+
+def _mean_output(outs: list[MoDOutput]) -> MoDOutput:
+    """The micro-batches' outputs as one: losses averaged (detached), the last one's routes."""
+
+    def mean(name: str) -> torch.Tensor | None:
+        vals = [getattr(o, name) for o in outs]
+        return None if vals[0] is None else torch.stack([v.detach() for v in vals]).mean()
+
+    last = outs[-1]
+    return dataclasses.replace(
+        last,
+        loss=mean("loss"),
+        lm_loss=mean("lm_loss"),
+        aux_loss=mean("aux_loss"),
+        moe_loss=mean("moe_loss"),
+    )
 
 
 def _watch_finite(run: _Run, done: int, loss: torch.Tensor, *grad_norms: torch.Tensor) -> None:
@@ -615,6 +707,7 @@ def _check_finite(run: _Run, done: int) -> None:
     """Stop the run if a step since the last look had a non-finite loss or gradient norm: the
     weights after it are garbage and must never reach a checkpoint (the last good one stays)."""
     bad = int(run.bad_step)  # the host sync, once per log or eval boundary
+    bad = D.max_over_ranks(run.env, bad)  # a rank's non-finite loss stops every rank
     if not bad:
         return
     loss, grad_norm, predictor_norm = run.bad_values.tolist()
@@ -642,13 +735,15 @@ def _log_step(
     tok_s = run.window_tokens / max(now - run.window_t, 1e-9)
     run.elapsed += now - run.window_t
     run.window_t, run.window_tokens = now, 0
+    losses = {"loss": out.loss.item(), "lm_loss": out.lm_loss.item()}
+    losses["aux_loss"] = out.aux_loss.item()
+    if out.moe_loss is not None:
+        losses["moe_loss"] = out.moe_loss.item()
+    if out.expert_routes:
+        losses["expert_share"] = expert_slot_shares(out)
     rec = {
         "step": done,
-        "loss": out.loss.item(),
-        "lm_loss": out.lm_loss.item(),
-        "aux_loss": out.aux_loss.item(),
-        **({"moe_loss": out.moe_loss.item()} if out.moe_loss is not None else {}),
-        **({"expert_share": expert_slot_shares(out)} if out.expert_routes else {}),
+        **D.mean_nested(run.env, losses),  # the whole batch's, not this rank's
         "lr": lr,
         "grad_norm": grad_norm.item(),
         "tokens_per_s": tok_s,
@@ -667,7 +762,7 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
     """Validation in both routing modes, logged, then an atomic checkpoint; the time this takes
     is kept out of the tokens/s window."""
     t0 = time.perf_counter()
-    ev = evaluate(run.model, run.val, run.device)
+    ev = _evaluate(run)
     losses = (ev["val_loss_topk"], ev["val_loss_causal"])
     if not all(math.isfinite(v) for v in losses):
         msg = (
@@ -679,6 +774,25 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
         raise TrainingDiverged(msg)
     run.log.write({"step": done, **ev})
     bar.write(format_eval(done, ev))
+    if run.env.is_main:
+        _save(run, done)
+    D.barrier(run.env)  # no rank runs ahead of a checkpoint being written
+    run.saved_step = done
+    run.window_t += time.perf_counter() - t0
+    return ev
+
+
+def _evaluate(run: _Run) -> dict[str, Any]:
+    """`evaluate` on this rank's rows of every validation batch, averaged over the ranks (every
+    rank evaluates whole batches when the world size does not divide them)."""
+    env, batches = run.env, run.val
+    if env.active and all(len(x) % env.world_size == 0 for x, _ in batches):
+        batches = [(x[D.local_rows(env, len(x))], y[D.local_rows(env, len(y))]) for x, y in batches]
+        return D.mean_nested(env, evaluate(run.model, batches, run.device))
+    return evaluate(run.model, batches, run.device)
+
+
+def _save(run: _Run, done: int) -> None:
     save_checkpoint(
         run.ckpt_dir,
         run.model,
@@ -693,9 +807,6 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
             "train_config": dataclasses.asdict(run.tc),
         },
     )
-    run.saved_step = done
-    run.window_t += time.perf_counter() - t0
-    return ev
 
 
 def mean_expert_share(metrics_path: Path) -> dict[str, float]:
@@ -726,6 +837,8 @@ def _finish(run: _Run, last_eval: dict[str, Any]) -> dict[str, Any]:
         "capacity": run.model_config.capacity,
         **last_eval,
     }
+    if not run.env.is_main:  # rank 0 writes the summary and the plot
+        return summary
     if run.model_config.has_experts:
         summary["train_expert_share"] = mean_expert_share(run.out_dir / "metrics.jsonl")
     write_json(run.out_dir / "summary.json", summary)
@@ -756,10 +869,18 @@ def train(
     """
     out_dir = Path(tc.out)
     _check_out(out_dir)
-    resolve_device(tc.device)  # a bad device is an error before anything is created
-    with RunLock(out_dir):
-        run = _start(model_config, tc, resume, overwrite)
-        return _train_loop(run, progress)
+    env = D.env_from_torchrun()
+    device = resolve_device(tc.device)  # a bad device is an error before anything is created
+    if env.active and device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+    D.init(env, device)
+    try:
+        # One run per folder: rank 0 holds the lock for the job.
+        with RunLock(out_dir) if env.is_main else contextlib.nullcontext():
+            run = _start(model_config, tc, resume, overwrite, env, device)
+            return _train_loop(run, progress and env.is_main)
+    finally:
+        D.shutdown(env)
 
 
 def _train_loop(run: _Run, progress: bool) -> dict[str, Any]:
@@ -790,7 +911,7 @@ def _train_loop(run: _Run, progress: bool) -> dict[str, Any]:
     finally:
         bar.close()
     if not last_eval:  # resumed at the final step: nothing left to train
-        last_eval = evaluate(run.model, run.val, run.device)
+        last_eval = _evaluate(run)
     return _finish(run, last_eval)
 
 
