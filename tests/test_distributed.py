@@ -1,12 +1,14 @@
 """Data-parallel training under torchrun (gloo, local processes) against one process.
 
 The oracle is the single-process run with the same global batch and seed: a 2-rank DDP run must
-log the same losses, gradient norms and evaluation step by step, and so must one process that
-splits each step into micro-batches (`grad_accum`). Runs are in float64 (`--dtype float64`) so
-that routing decisions cannot flip on round-off. Losses agree to ~1e-15 at first; AdamW then
-amplifies round-off in coordinates whose gradient is nearly zero (it divides by sqrt(v)), so later
-steps are compared to 1e-6 relative: a summed instead of averaged gradient, a rank's loss logged
-as the job's, or a batch split wrongly would miss by orders of magnitude more.
+log the same losses, gradient norms and evaluation step by step, and so must a 2-rank FSDP2 run
+(gloo, an explicit CPU mesh) and one process that splits each step into micro-batches
+(`grad_accum`). Runs are in float64 (`--dtype float64`) so that routing decisions cannot flip on
+round-off. Losses agree to ~1e-15 at first; AdamW then amplifies round-off in coordinates whose
+gradient is nearly zero (it divides by sqrt(v)), so steps after the first evaluation are
+compared to 1e-5 relative: a summed instead of averaged gradient (reported of FSDP2 on gloo,
+pytorch issue 162338), a rank's loss logged as the job's, or a batch split wrongly miss by
+orders of magnitude more.
 """
 
 from __future__ import annotations
@@ -41,13 +43,18 @@ def logged(out: Path) -> list[dict]:
 
 
 def assert_same_run(got: list[dict], want: list[dict]) -> None:
+    """Step by step: to round-off (1e-12) up to the first evaluation, to 1e-5 after it (see the
+    module docstring). A gradient summed over 2 ranks instead of averaged doubles the first
+    step's gradient norm."""
     assert [r["step"] for r in got] == [r["step"] for r in want]
+    first_eval = min(r["step"] for r in want if "val_loss_topk" in r)
     for g, w in zip(got, want, strict=True):
         keys = [k for k in ("loss", "lm_loss", "aux_loss", "grad_norm") if k in w]
         keys += [k for k in ("val_loss_topk", "val_loss_causal") if k in w]
         assert keys and set(keys) <= set(g), (sorted(g), sorted(w))
+        rel = 1e-12 if w["step"] <= first_eval else 1e-5
         for k in keys:
-            assert g[k] == pytest.approx(w[k], rel=1e-6, abs=0), (g["step"], k)
+            assert g[k] == pytest.approx(w[k], rel=rel, abs=0), (g["step"], k)
         for k in ("routing_accuracy", "causal_take_rate"):  # evaluation, averaged over ranks
             for layer, v in w.get(k, {}).items():
                 assert g[k][layer] == pytest.approx(v, rel=1e-9, abs=1e-12), (g["step"], k)
@@ -78,6 +85,27 @@ def test_ddp_two_ranks_and_grad_accum_equal_one_process(corpus, tmp_path, env):
     # Rank 0 wrote the run; the checkpoint is the single-process kind `mod eval` reads.
     assert (two / "checkpoint" / "model.safetensors").exists()
     assert json.loads((two / "summary.json").read_text())["steps"] == 4
+
+
+def test_fsdp_two_ranks_equal_one_process_and_its_checkpoint_is_whole(corpus, tmp_path, env):
+    base = [*COMMON, "--data", str(corpus)]
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    run_mod([*base, "--out", str(one)], env)
+    run_mod([*base, "--out", str(fsdp), "--parallel", "fsdp"], env, nproc=2)
+    want = logged(one)
+    assert_same_run(logged(fsdp), want)
+    assert logged(fsdp)[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-12)
+    # The checkpoint rank 0 wrote is whole (gathered from the shards): one process resumes it.
+    from mixture_of_depths.checkpoint import load_model, load_optimizer_state
+
+    model, _ = load_model(fsdp / "checkpoint")
+    ref, _ = load_model(one / "checkpoint")
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert p.shape == q.shape and (p - q).abs().max() < 1e-4, name
+    state = load_optimizer_state(fsdp / "checkpoint")
+    assert len(state["state"]) == len(list(model.parameters()))
+    run_mod(["train", "--out", str(fsdp), "--resume", "--steps", "5", "--no-progress"], env)
+    assert logged(fsdp)[-1]["step"] == 5
 
 
 def test_global_batch_must_split_over_ranks_and_micro_batches(corpus, tmp_path, env):

@@ -102,9 +102,12 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_to_files(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer state dict into tensors (safetensors) and JSON-able rest."""
-    sd = opt.state_dict()
+def optimizer_to_files(
+    opt: torch.optim.Optimizer | dict,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer's state dict (or a state dict) into tensors (safetensors) and the
+    JSON-able rest."""
+    sd = opt if isinstance(opt, dict) else opt.state_dict()
     tensors, scalars = {}, {}
     for pid, state in sd["state"].items():
         for key, value in state.items():
@@ -136,18 +139,21 @@ def save_checkpoint(
     model: nn.Module,
     config: MoDConfig,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | dict | None = None,
     trainer_state: dict | None = None,
     tokenizer: Any | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write a checkpoint directory atomically (temp directory, then rename).
+    """Write a checkpoint directory atomically (temp directory, then rename). `weights` and an
+    `optimizer` given as a state dict replace `model_tensors(model)` and its state dict (a
+    sharded model's, gathered whole).
 
     Refuses (ValueError) weights or optimizer moments that are not finite, so a diverged model
     never replaces a good checkpoint. Stale temporary folders of earlier, interrupted writes of
     this checkpoint are removed first: one writer per folder (`runlock.RunLock`) is assumed.
     """
     final = Path(directory)
-    weights = model_tensors(model)
+    weights = model_tensors(model) if weights is None else weights
     opt_files = optimizer_to_files(optimizer) if optimizer is not None else None
     bad = nonfinite_tensors({**weights, **(opt_files[0] if opt_files else {})})
     if bad:

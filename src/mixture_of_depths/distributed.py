@@ -126,3 +126,80 @@ def broadcast_object(env: DistEnv, obj: object) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------------
+def choose_parallel(env: DistEnv, choice: str, model: torch.nn.Module, device: torch.device) -> str:
+    """The data-parallel mode: "none" for one process; else `choice`, where "auto" is DDP unless
+    the weights, gradients and two AdamW moments of the whole model would fill more than half of
+    a GPU's memory."""
+    if not env.active:
+        return "none"
+    if choice != "auto":
+        return choice
+    if device.type == "cuda":
+        need = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+        if need > 0.5 * torch.cuda.get_device_properties(device).total_memory:
+            return "fsdp"
+    return "ddp"
+
+
+def shard(model: torch.nn.Module, env: DistEnv, device: torch.device) -> None:
+    """FSDP2 in place: each block one unit, the rest (embedding, final norm, the tied head) the
+    root's. On the CPU the mesh is an explicit CPU mesh. Every rank calls every block each step
+    (a routed block that takes no token still runs its forward), so the units' all-gathers line
+    up across ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (env.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def shard_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """After loading a whole (single-file) optimizer state into a sharded model's optimizer:
+    each moment sharded as its parameter is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor) or p not in opt.state:
+                continue
+            st = opt.state[p]
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.shape:
+                    st[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+
+
+def full(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def full_state(
+    model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor] | None, dict | None]:
+    """The whole weights (tied ones once) and optimizer state of a sharded model, gathered on
+    every rank (collectives, in the same order everywhere); (None, None) when nothing is
+    sharded, for the plain path."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None, None
+    weights, seen = {}, set()
+    for name, t in model.state_dict().items():
+        key = id(t)
+        if key in seen:  # a tied parameter: stored once, as the plain path does
+            continue
+        seen.add(key)
+        weights[name] = full(t).detach().cpu()
+    sd = opt.state_dict()
+    state = {
+        pid: {k: full(v).detach().cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+        for pid, st in sd["state"].items()
+    }
+    return weights, {"state": state, "param_groups": sd["param_groups"]}

@@ -94,6 +94,10 @@ class TrainConfig:
     compile: bool = False
     # Micro-batches per step (per process under torchrun): the same step in less memory.
     grad_accum: int = 1
+    # Under torchrun: "ddp" (every rank holds the whole model and optimizer state), "fsdp"
+    # (FSDP2: each rank holds a 1/world shard of each block's weights, gradients and AdamW
+    # moments), or "auto": ddp, unless those three would fill more than half a GPU's memory.
+    parallel: str = "auto"
     # Parameters and compute: "float32" (CUDA autocasts matmuls to bf16), or "float64" for
     # exactness checks (no autocast).
     dtype: str = "float32"
@@ -102,6 +106,7 @@ class TrainConfig:
         check_fields(self, TRAIN_RANGES)
         check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
         check_choice("dtype", self.dtype, ("float32", "float64"))
+        check_choice("parallel", self.parallel, ("auto", "ddp", "fsdp"))
         for name in ("out", "device"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -559,6 +564,9 @@ def _start(
     if not resume:
         model = MoDTransformer(model_config).to(device)
     model = model.to(getattr(torch, tc.dtype)).train()
+    parallel = D.choose_parallel(env, tc.parallel, model, device)
+    if parallel == "fsdp":  # shard in place before the optimizer sees the parameters
+        D.shard(model, env, device)
     opt = make_optimizer(model, tc)
     sampler = BatchSampler(train_tokens, tc.batch_size, seq_len, seed=tc.seed)
     if resume:
@@ -567,6 +575,8 @@ def _start(
             raise ValueError(f"{ckpt} has no optimizer state: cannot resume exactly")
         try:
             opt.load_state_dict(opt_state)
+            if parallel == "fsdp":
+                D.shard_optimizer_state(opt)
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise corrupt(
                 ckpt / "optimizer.safetensors", f"it does not fit the model ({exc!r})"
@@ -603,7 +613,7 @@ def _start(
         log=log,
         start_step=start_step,
         elapsed=float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0,
-        step_fn=_step_module(model, tc, env, device),
+        step_fn=_step_module(model, tc, env, device, parallel),
         saved_step=start_step,
         env=env,
         bad_step=torch.zeros((), dtype=torch.int64, device=device),
@@ -616,14 +626,15 @@ def _start(
 
 
 def _step_module(
-    model: MoDTransformer, tc: TrainConfig, env: D.DistEnv, device: torch.device
+    model: MoDTransformer, tc: TrainConfig, env: D.DistEnv, device: torch.device, parallel: str
 ) -> torch.nn.Module:
     """What a training step calls: the model, compiled or not, wrapped in DDP under torchrun
-    (gradients averaged over ranks). Unused parameters are searched for: a routed block at k = 0,
-    an expert no token chose, or random-score routers give some parameters no gradient on some
-    steps, and DDP would otherwise wait for them forever."""
+    (gradients averaged over ranks; a model sharded by FSDP2 averages its own). Unused
+    parameters are searched for: a routed block at k = 0, an expert no token chose, or
+    random-score routers give some parameters no gradient on some steps, and DDP would
+    otherwise wait for them forever."""
     module: torch.nn.Module = model
-    if env.active:
+    if env.active and parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [device.index] if device.type == "cuda" else None
@@ -664,10 +675,10 @@ def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
         out = _mean_output(outs)
     # Clip before the step: clipping after it would be a no-op on this update.
     max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.lm_params, max_norm)
+    grad_norm = D.full(torch.nn.utils.clip_grad_norm_(run.lm_params, max_norm))
     norms = [grad_norm]
     if run.predictor_params:
-        norms.append(torch.nn.utils.clip_grad_norm_(run.predictor_params, max_norm))
+        norms.append(D.full(torch.nn.utils.clip_grad_norm_(run.predictor_params, max_norm)))
     _watch_finite(run, step + 1, out.loss, *norms)
     run.opt.step()
     run.opt.zero_grad(set_to_none=True)
@@ -774,8 +785,9 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
         raise TrainingDiverged(msg)
     run.log.write({"step": done, **ev})
     bar.write(format_eval(done, ev))
+    weights, opt_state = D.full_state(run.model, run.opt)  # a collective when sharded
     if run.env.is_main:
-        _save(run, done)
+        _save(run, done, weights, opt_state)
     D.barrier(run.env)  # no rank runs ahead of a checkpoint being written
     run.saved_step = done
     run.window_t += time.perf_counter() - t0
@@ -792,12 +804,15 @@ def _evaluate(run: _Run) -> dict[str, Any]:
     return evaluate(run.model, batches, run.device)
 
 
-def _save(run: _Run, done: int) -> None:
+def _save(
+    run: _Run, done: int, weights: dict[str, torch.Tensor] | None, opt_state: dict | None
+) -> None:
     save_checkpoint(
         run.ckpt_dir,
         run.model,
         run.model_config,
-        optimizer=run.opt,
+        weights=weights,
+        optimizer=run.opt if opt_state is None else opt_state,
         tokenizer=run.tokenizer,
         trainer_state={
             "step": done,
