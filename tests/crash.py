@@ -13,6 +13,9 @@ kill or a lost machine):
 - ``trash``: inside ``--overwrite``, after the old run's first file (its checkpoint) went into the
   trash folder and before the rest;
 - ``none``: no fault (the uninterrupted reference run, started the same way).
+
+Under torchrun (a worker of ``torchrun ... tests/crash.py POINT N ...``) only rank 0 of the first
+attempt dies: the restarted job runs clean, as a job whose lost machine came back would.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ def die() -> None:
 
 def main() -> int:
     point, n, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    if (
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        or os.environ.get("RANK", "0") != "0"
+    ):
+        point = "none"
     import mixture_of_depths.checkpoint as ck
     import mixture_of_depths.train as tr
     from mixture_of_depths.cli import main as mod

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from .config import FIELD_CHOICES, PRESETS, MoDConfig
@@ -243,10 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, format_summary, resume_config, train
+    from .distributed import env_from_torchrun, restarted
+    from .train import TrainConfig, format_summary, has_checkpoint, resume_config, train
 
     model_over = _given(args, MoDConfig)
     train_over = _given(args, TrainConfig)
+    if restarted():
+        # torchrun restarted the job after a worker died: go on from the last complete
+        # checkpoint, or start over the folder the dead attempt began (nothing was saved yet).
+        out = Path(train_over.get("out", TrainConfig.out))
+        args.resume, args.overwrite = has_checkpoint(out), not has_checkpoint(out)
+        print(
+            f"note: restarted by torchrun; {'resuming' if args.resume else 'starting over'}",
+            file=sys.stderr,
+        )
     if args.resume:
         if model_over or args.preset:
             print(
@@ -259,7 +270,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
         tc = TrainConfig(**train_over)
         summary = train(cfg, tc, overwrite=args.overwrite, progress=not args.no_progress)
-    from .distributed import env_from_torchrun
 
     if env_from_torchrun().is_main:  # under torchrun, rank 0 reports for the job
         print(json_text(summary) if args.json else format_summary(summary))

@@ -54,12 +54,34 @@ def env_from_torchrun() -> DistEnv:
     return DistEnv(rank, world, local)
 
 
+def restarted() -> bool:
+    """Whether torchrun (``--max-restarts``) restarted this job after a worker failed."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+
+
 def init(env: DistEnv, device: torch.device) -> None:
     """Join the process group (gloo on the CPU, NCCL on CUDA) unless one process or joined."""
     if not env.active or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+    if not restarted():
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+        return
+    # After a restart the rendezvous store still holds the dead attempt's addresses under the
+    # default group's keys: join under keys of this attempt's own.
+    from datetime import timedelta
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env.world_size,
+        is_master=not agent and env.is_main,
+        timeout=timedelta(minutes=10),
+    )
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    prefixed = dist.PrefixStore(f"mixture_of_depths/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=env.rank, world_size=env.world_size)
 
 
 def shutdown(env: DistEnv) -> None:
