@@ -147,3 +147,49 @@ def test_killed_rank_restarts_from_its_last_checkpoint_and_ends_as_uninterrupted
         assert got[key] == pytest.approx(final[key], rel=1e-8), key
     want = [r["loss"] for r in clean if "loss" in r]
     assert [r["loss"] for r in killed if "loss" in r] == pytest.approx(want, rel=1e-8)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_job_on_one_machine_equals_one_process(corpus, tmp_path, env):
+    """The multi-node command, two "nodes" of one process each on 127.0.0.1 (two torchrun
+    launchers joined by --master-addr/--master-port, --node-rank 0 and 1): the job trains as
+    one process does."""
+    base = [*COMMON, "--data", str(corpus)]
+    one, two = tmp_path / "one", tmp_path / "nodes"
+    run_mod([*base, "--out", str(one)], env)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "-m",
+                "mixture_of_depths",
+                *base,
+                "--out",
+                str(two),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-4000:]
+    assert_same_run(logged(two), logged(one))
