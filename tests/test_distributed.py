@@ -108,6 +108,23 @@ def test_fsdp_two_ranks_equal_one_process_and_its_checkpoint_is_whole(corpus, tm
     assert logged(fsdp)[-1]["step"] == 5
 
 
+def test_expert_layers_under_fsdp_equal_micro_batches_in_one_process(corpus, tmp_path, env):
+    """Staged MoDE sharded by FSDP2 against one process with `--grad-accum 2`: each rank's rows
+    are one micro-batch, and the load-balancing loss and capacity are a micro-batch's (as in
+    every data-parallel MoE), so these two runs are the same computation. This caught the expert
+    routes of blocks being lost when FSDP2 rebuilt a block's arguments."""
+    base = [*COMMON, "--data", str(corpus), "--n-experts", "4"]
+    acc, fsdp = tmp_path / "acc", tmp_path / "fsdp"
+    run_mod([*base, "--out", str(acc), "--grad-accum", "2"], env)
+    run_mod([*base, "--out", str(fsdp), "--parallel", "fsdp"], env, nproc=2)
+    want, got = logged(acc), logged(fsdp)
+    assert_same_run(got, want)
+    for g, w in zip(got, want, strict=True):
+        if "moe_loss" in w:
+            assert g["moe_loss"] == pytest.approx(w["moe_loss"], rel=1e-5)
+            assert set(g["expert_share"]) == set(w["expert_share"]) == {"0", "1", "2", "3"}
+
+
 def test_global_batch_must_split_over_ranks_and_micro_batches(corpus, tmp_path, env):
     proc = subprocess.run(
         [sys.executable, "-m", "mixture_of_depths", *COMMON, "--data", str(corpus),

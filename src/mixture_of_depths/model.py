@@ -66,6 +66,19 @@ class MoDOutput:
     moe_loss: Tensor | None = None
 
 
+class RouteLog:
+    """Where the expert layers of one pass record their routes. Not a container type on
+    purpose: wrappers that rebuild a module's arguments (FSDP2 registering its backward hooks
+    maps over lists and dataclasses) pass it through as it is, so every block appends to the
+    same log."""
+
+    def __init__(self) -> None:
+        self.items: list[ExpertRoute] = []
+
+    def append(self, route: ExpertRoute) -> None:
+        self.items.append(route)
+
+
 @dataclass
 class Pass:
     """What the blocks of one forward pass share: the routing mode, the rotary tables of the new
@@ -79,7 +92,7 @@ class Pass:
     decode: bool = False
     valid_BT: Tensor | None = None
     lengths: Tensor | None = None  # (B,) on the device: real tokens per row
-    expert_routes: list[ExpertRoute] = field(default_factory=list)  # filled by expert layers
+    expert_routes: RouteLog = field(default_factory=RouteLog)  # filled by expert layers
 
     def kv(self, layer: int, take_BT: Tensor | None) -> KVHook | None:
         return None if self.cache is None else kv_hook(self.cache, layer, take_BT, self.decode)
@@ -536,14 +549,14 @@ class MoDTransformer(nn.Module):
         # With a cache there is nothing to train: no aux loss (a prefill's would count padding).
         aux_loss = None if cache is not None else router_aux_loss(routes, logits)
         out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
-        out.expert_routes = p.expert_routes
-        if p.expert_routes and cache is None:
+        out.expert_routes = p.expert_routes.items
+        if out.expert_routes and cache is None:
             cfg = self.config
             out.moe_loss = torch.stack(
                 [
                     cfg.moe_balance_loss_weight * balance_loss(r)
                     + cfg.moe_z_loss_weight * z_loss(r)
-                    for r in p.expert_routes
+                    for r in out.expert_routes
                 ]
             ).mean()
         if targets is not None:
