@@ -18,6 +18,7 @@ Names with shape suffixes: B batch, T tokens of the forward, K routed subset, D 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -66,19 +67,6 @@ class MoDOutput:
     moe_loss: Tensor | None = None
 
 
-class RouteLog:
-    """Where the expert layers of one pass record their routes. Not a container type on
-    purpose: wrappers that rebuild a module's arguments (FSDP2 registering its backward hooks
-    maps over lists and dataclasses) pass it through as it is, so every block appends to the
-    same log."""
-
-    def __init__(self) -> None:
-        self.items: list[ExpertRoute] = []
-
-    def append(self, route: ExpertRoute) -> None:
-        self.items.append(route)
-
-
 @dataclass
 class Pass:
     """What the blocks of one forward pass share: the routing mode, the rotary tables of the new
@@ -92,7 +80,10 @@ class Pass:
     decode: bool = False
     valid_BT: Tensor | None = None
     lengths: Tensor | None = None  # (B,) on the device: real tokens per row
-    expert_routes: RouteLog = field(default_factory=RouteLog)  # filled by expert layers
+    # Filled by expert layers. A deque, not a list: wrappers that rebuild a block's arguments
+    # (FSDP2 maps over lists and dataclasses to hook its backward) pass a deque through as it
+    # is, so every block appends to this pass's one record.
+    expert_routes: deque[ExpertRoute] = field(default_factory=deque)
 
     def kv(self, layer: int, take_BT: Tensor | None) -> KVHook | None:
         return None if self.cache is None else kv_hook(self.cache, layer, take_BT, self.decode)
@@ -549,7 +540,7 @@ class MoDTransformer(nn.Module):
         # With a cache there is nothing to train: no aux loss (a prefill's would count padding).
         aux_loss = None if cache is not None else router_aux_loss(routes, logits)
         out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
-        out.expert_routes = p.expert_routes.items
+        out.expert_routes = list(p.expert_routes)
         if out.expert_routes and cache is None:
             cfg = self.config
             out.moe_loss = torch.stack(
