@@ -57,6 +57,11 @@ ROOT = Path(__file__).resolve().parents[1]
             {"results", "ratios", "skipped_kv"},
         ),  # fmt: skip
         (
+            "distributed.py",
+            ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--parallel", "fsdp"],
+            {"rows", "params"},
+        ),
+        (
             "gpu.py",
             ["--preset", "tiny", "--seq-lens", "32", "--tokens", "64", "--repeats", "1"],
             {"gpu"} if not torch.cuda.is_available() else {"train", "bars"},
