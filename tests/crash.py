@@ -12,10 +12,13 @@ kill or a lost machine):
   was moved aside and the new one is not yet in place);
 - ``trash``: inside ``--overwrite``, after the old run's first file (its checkpoint) went into the
   trash folder and before the rest;
+- ``shards``: inside a sharded checkpoint write, right after this rank wrote its shard file for
+  the N-th time (the other ranks wait for it; the folder is not yet in place);
 - ``none``: no fault (the uninterrupted reference run, started the same way).
 
 Under torchrun (a worker of ``torchrun ... tests/crash.py POINT N ...``) only rank 0 of the first
-attempt dies: the restarted job runs clean, as a job whose lost machine came back would.
+attempt dies (``POINT@R``: rank R): the restarted job runs clean, as a job whose lost machine came
+back would.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ def die() -> None:
 
 def main() -> int:
     point, n, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    if (
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        or os.environ.get("RANK", "0") != "0"
+    point, _, rank = point.partition("@")
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("RANK", "0") != (
+        rank or "0"
     ):
         point = "none"
     import mixture_of_depths.checkpoint as ck
@@ -76,6 +79,19 @@ def main() -> int:
                     die()
 
         os.replace = replace
+    elif point == "shards":
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+        real_write = HuggingFaceStorageWriter.write_data
+
+        def write_data(self, plan, planner):  # noqa: ANN001, ANN202
+            fut = real_write(self, plan, planner)
+            fut.wait()
+            if hit():
+                die()
+            return fut
+
+        HuggingFaceStorageWriter.write_data = write_data
     elif point != "none":
         raise SystemExit(f"unknown fault point {point!r}")
     return mod(args)

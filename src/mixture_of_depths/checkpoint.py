@@ -8,6 +8,11 @@ A checkpoint is a directory::
     trainer.json       step, data-loader state, training arguments (training only)
     tokenizer.json     the tokenizer the model was trained with
 
+or, written by every rank of a job at once (`save_sharded_checkpoint`, the default under FSDP2),
+a sharded one: ``shards/`` (one safetensors file per rank, see `sharded`) in place of the two
+safetensors files, and ``optimizer.json`` naming parameters. Every reader here takes both kinds;
+`consolidate_checkpoint` turns a sharded checkpoint into the single-file kind.
+
 The directory is written under a temporary name and renamed into place, so a crash leaves either the
 old checkpoint or the new one, never a mixture; the temporary folder a crash leaves behind is
 removed by the next save. Weights that are not finite are never written. Nothing is ever
@@ -27,9 +32,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from . import distributed as D
 from .config import MoDConfig
 from .fileio import atomic_save_tensors, fsync_dir, read_json, umask_mode, write_json
 from .model import MoDTransformer
+from .sharded import SHARDS_DIR, local_tensors, read_shards, write_shards
 
 
 class CheckpointError(ValueError):
@@ -176,21 +183,90 @@ def save_checkpoint(
             write_json(tmp / "trainer.json", trainer_state)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        fsync_dir(tmp)
-        old = final.with_name(f".{final.name}.old")
-        if final.exists():
-            # `final` is good, so a stale `old` may go; then keep the previous checkpoint as `old`
-            # until the new one is in place.
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        # (If only `old` exists, a crash hit between the renames: it stays until `tmp` is placed.)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        _place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def save_sharded_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: MoDConfig,
+    env: D.DistEnv,
+    *,
+    trainer_state: dict,
+    tokenizer: Any | None = None,
+) -> Path:
+    """Write a sharded checkpoint: every rank calls this (a collective) and writes its own
+    shards into one temporary folder that rank 0 made, then rank 0 writes the JSON files and
+    renames the folder into place. A rank killed at any point leaves the previous checkpoint
+    whole; the temporary folder is removed by the next save. The run folder must be on a
+    filesystem every rank sees (on several nodes: a shared one).
+
+    Refuses (ValueError, on every rank) weights or moments that are not finite on any rank.
+    """
+    final = Path(directory)
+    bad = nonfinite_tensors(local_tensors(model, optimizer))
+    if D.max_over_ranks(env, len(bad)):
+        raise ValueError(
+            f"refusing to write checkpoint {final}: tensors hold NaN or infinity "
+            f"({', '.join(bad[:3]) or 'on another rank'}{', ...' if len(bad) > 3 else ''})"
+        )
+    made = None
+    if env.is_main:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(final)
+        made = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+        os.chmod(made, umask_mode(0o777))
+    tmp = Path(str(D.broadcast_object(env, made)))
+    if D.max_over_ranks(env, int(not tmp.is_dir())):
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(
+            f"not every rank sees the checkpoint folder {final.parent}: a sharded checkpoint "
+            "needs a filesystem all nodes share (or --checkpoint-format whole, written by rank 0)"
+        )
+    failure: BaseException | None = None
+    try:
+        meta = write_shards(tmp / SHARDS_DIR, model, optimizer)
+        if env.is_main:
+            fsync_dir(tmp / SHARDS_DIR)
+            write_json(tmp / "config.json", config.to_dict())
+            write_json(tmp / "optimizer.json", meta)
+            write_json(tmp / "trainer.json", trainer_state)
+            if tokenizer is not None:
+                tokenizer.save(tmp)
+            _place(tmp, final)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        failure = exc
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+    # Rank 0's own steps can fail after the collective write: every rank learns of it.
+    error = D.broadcast_object(env, None if failure is None else repr(failure))
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RuntimeError(f"rank 0 could not complete checkpoint {final}: {error}")
+    return final
+
+
+def _place(tmp: Path, final: Path) -> None:
+    """Rename the complete folder `tmp` into place as `final`, keeping the previous checkpoint
+    until the new one is there."""
+    fsync_dir(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        # `final` is good, so a stale `old` may go; then keep the previous checkpoint as `old`
+        # until the new one is in place.
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    # (If only `old` exists, a crash hit between the renames: it stays until `tmp` is placed.)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(directory: str | Path) -> Path:
@@ -204,13 +280,122 @@ def resolve_checkpoint(directory: str | Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {d} (expected {d / 'config.json'})")
 
 
+def is_sharded(directory: str | Path) -> bool:
+    """Whether a checkpoint directory holds shards (`save_sharded_checkpoint`)."""
+    return (resolve_checkpoint(directory) / SHARDS_DIR).is_dir()
+
+
+def load_sharded(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    alone: bool = True,
+) -> None:
+    """Read a sharded checkpoint into `model` (and `optimizer`), whatever the number of ranks
+    that wrote it: one process (`alone`) reads everything; under a job every rank calls it with
+    `alone=False` and reads the slices its own sharding holds. Errors are `CheckpointError`."""
+    d = resolve_checkpoint(directory)
+    meta = None
+    if optimizer is not None:
+        meta_path = d / "optimizer.json"
+        meta = read_json_file(meta_path, ("param_groups", "scalars"))
+        _check_optimizer_meta(meta_path, meta)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        read_shards(d / SHARDS_DIR, model, optimizer, meta, alone=alone)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        raise corrupt(d / SHARDS_DIR, f"the shards do not load into the model ({exc!r})") from None
+
+
+def _training_dtype(d: Path) -> torch.dtype:
+    """The dtype a run trained in (its trainer.json says; float32 if it has none)."""
+    trainer = d / "trainer.json"
+    if not trainer.exists():
+        return torch.float32
+    name = read_json_file(trainer).get("train_config", {}).get("dtype")
+    return torch.float64 if name == "float64" else torch.float32
+
+
+def _optimizer_for(model: nn.Module, meta: dict) -> torch.optim.AdamW:
+    """An AdamW with the parameter groups a sharded checkpoint's optimizer.json names."""
+    named = dict(model.named_parameters())
+    groups = []
+    for g in meta["param_groups"]:
+        try:
+            params = [named[name] for name in g["params"]]
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(f"optimizer.json names no parameter {exc} of the model") from None
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    return torch.optim.AdamW(groups)
+
+
+def _restore_sharded(
+    d: Path, with_optimizer: bool
+) -> tuple[MoDTransformer, MoDConfig, torch.optim.AdamW | None]:
+    """A sharded checkpoint read whole into one process: the model in its training dtype and,
+    with `with_optimizer`, an AdamW holding its state."""
+    config = load_config(d)
+    model = MoDTransformer(config).to(_training_dtype(d))
+    opt = None
+    if with_optimizer and (d / "optimizer.json").exists():
+        meta = read_json_file(d / "optimizer.json", ("param_groups", "scalars"))
+        _check_optimizer_meta(d / "optimizer.json", meta)
+        opt = _optimizer_for(model, meta)
+    load_sharded(d, model, opt)
+    return model, config, opt
+
+
+class _CopiedFile:
+    """A file of one checkpoint to write into another (`save_checkpoint`'s tokenizer)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def save(self, directory: Path) -> None:
+        shutil.copyfile(self.path, Path(directory) / self.path.name)
+
+
+def consolidate_checkpoint(source: str | Path, dest: str | Path) -> Path:
+    """Write the sharded checkpoint `source` as a single-file checkpoint `dest` (weights,
+    optimizer state, trainer state and tokenizer: `mod eval`, `mod generate` and `--resume` all
+    read it), atomically. `dest` must not hold a checkpoint already."""
+    d = resolve_checkpoint(source)
+    if not is_sharded(d):
+        raise ValueError(f"{d} is already a single-file checkpoint (it has no {SHARDS_DIR}/)")
+    out = Path(dest)
+    if out.resolve() == Path(source).resolve() or out.resolve() == d.resolve():
+        raise ValueError(f"write the consolidated checkpoint to another folder than {d}")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: pick another destination")
+    model, config, opt = _restore_sharded(d, with_optimizer=True)
+    trainer = read_json_file(d / "trainer.json") if (d / "trainer.json").exists() else None
+    if trainer is not None:
+        trainer = {**trainer, "checkpoint_format": "whole", "consolidated_from": str(d)}
+    tokenizer = d / "tokenizer.json"
+    return save_checkpoint(
+        out,
+        model,
+        config,
+        optimizer=opt,
+        trainer_state=trainer,
+        tokenizer=_CopiedFile(tokenizer) if tokenizer.exists() else None,
+    )
+
+
 def load_model(
     directory: str | Path, map_location: str | torch.device = "cpu"
 ) -> tuple[MoDTransformer, MoDConfig]:
-    """Rebuild a `MoDTransformer` from a checkpoint directory."""
+    """Rebuild a `MoDTransformer` from a checkpoint directory (single-file or sharded)."""
     d = resolve_checkpoint(directory)
     config = load_config(d)
     model = MoDTransformer(config)
+    if is_sharded(d):
+        load_sharded(d, model)
+        return model.to(map_location), config
     tensors = load_tensors(d / "model.safetensors")  # to CPU parameters; moved once below
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -238,8 +423,12 @@ def load_config(directory: str | Path) -> MoDConfig:
 
 
 def load_optimizer_state(directory: str | Path) -> dict | None:
-    """AdamW's state dict from a checkpoint, or None if it has none (a weights-only one)."""
+    """AdamW's state dict from a checkpoint, or None if it has none (a weights-only one); of
+    a sharded checkpoint, the whole state, read into one process."""
     d = resolve_checkpoint(directory)
+    if is_sharded(d):
+        opt = _restore_sharded(d, with_optimizer=True)[2]
+        return None if opt is None else opt.state_dict()
     if not (d / "optimizer.safetensors").exists():
         return None
     meta_path = d / "optimizer.json"

@@ -156,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
 
     p = sub.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint (FSDP2) into a single-file one",
+        description="Read a sharded checkpoint (written by every rank of a torchrun job, the "
+        "default under --parallel fsdp) into one process and write it as a single-file "
+        "checkpoint: model.safetensors, the optimizer state, trainer state and tokenizer. "
+        "`mod eval` and `mod generate` read both kinds; this one is the kind to share.",
+    )
+    p.add_argument("checkpoint", help="sharded checkpoint directory (e.g. runs/mod/checkpoint)")
+    p.add_argument("out", help="new checkpoint directory (must not exist or be empty)")
+
+    p = sub.add_parser(
         "flops",
         help="FLOPs per layer and KV-cache bytes, beside the dense twin",
         description="Analytic FLOPs of a model (training, top-k forward, decode) per layer, "
@@ -521,6 +532,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from .checkpoint import consolidate_checkpoint, load_config, resolve_checkpoint
+
+    src = resolve_checkpoint(args.checkpoint)
+    out = consolidate_checkpoint(src, args.out)
+    cfg = load_config(out)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(
+        f"{out}: single-file checkpoint of {src} ({cfg.n_layers} layers, d_model "
+        f"{cfg.d_model}; {size / 1e6:.1f} MB)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -528,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": cmd_train,
         "eval": cmd_eval,
         "generate": cmd_generate,
+        "consolidate": cmd_consolidate,
         "flops": cmd_flops,
         "study": cmd_study,
         "bench": cmd_bench,

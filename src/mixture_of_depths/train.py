@@ -32,13 +32,17 @@ from . import distributed as D
 from .checkpoint import (
     CheckpointError,
     corrupt,
+    is_sharded,
+    load_config,
     load_model,
     load_optimizer_state,
+    load_sharded,
     model_tensors,
     nonfinite_tensors,
     read_json_file,
     resolve_checkpoint,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 from .checks import (
     NONNEGATIVE,
@@ -58,6 +62,7 @@ from .model import MoDOutput, MoDTransformer
 from .precision import autocast_for
 from .routing import routing_accuracy
 from .runlock import RunLock
+from .sharded import local_tensors
 
 CHECKPOINT_NAME = "checkpoint"
 # What a run writes in its folder beside the checkpoint (removed by --overwrite).
@@ -101,12 +106,17 @@ class TrainConfig:
     # Parameters and compute: "float32" (CUDA autocasts matmuls to bf16), or "float64" for
     # exactness checks (no autocast).
     dtype: str = "float32"
+    # "sharded": every rank writes its own shard (torch.distributed.checkpoint; any number of
+    # ranks resumes it; `mod consolidate` makes it single-file); "whole": rank 0 writes one
+    # safetensors file of the gathered weights; "auto": sharded under FSDP2, whole otherwise.
+    checkpoint_format: str = "auto"
 
     def __post_init__(self) -> None:
         check_fields(self, TRAIN_RANGES)
         check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
         check_choice("dtype", self.dtype, ("float32", "float64"))
         check_choice("parallel", self.parallel, ("auto", "ddp", "fsdp"))
+        check_choice("checkpoint_format", self.checkpoint_format, ("auto", "whole", "sharded"))
         for name in ("out", "device"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -363,6 +373,8 @@ class _Run:
     bad_step: torch.Tensor | None = None
     bad_values: torch.Tensor | None = None
     env: D.DistEnv = dataclasses.field(default_factory=D.DistEnv)
+    parallel: str = "none"  # "none" (one process), "ddp" or "fsdp"
+    sharded_checkpoints: bool = False
 
     @property
     def ckpt_dir(self) -> Path:
@@ -519,13 +531,12 @@ def _start(
     ckpt, trainer_state, tokenizer = None, None, None
     if resume:
         ckpt, trainer_state = _load_resume(tc)
-        model, model_config = load_model(ckpt, map_location=device)
-        bad = nonfinite_tensors(model_tensors(model))
-        if bad:
-            raise CheckpointError(
-                f"checkpoint {ckpt} holds weights that are NaN or infinite ({', '.join(bad[:3])}): "
-                "it was written by a run that diverged. Start over (--overwrite) with a lower --lr"
-            )
+        if is_sharded(ckpt):  # read after sharding, below, each rank its own slices
+            model_config = load_config(ckpt)
+            model = MoDTransformer(model_config).to(device)
+        else:
+            model, model_config = load_model(ckpt, map_location=device)
+            _refuse_nonfinite(ckpt, nonfinite_tensors(model_tensors(model)))
         tokenizer = load_tokenizer(ckpt)
     elif has_checkpoint(out_dir) and not overwrite:
         raise ValueError(
@@ -569,7 +580,13 @@ def _start(
         D.shard(model, env, device)
     opt = make_optimizer(model, tc)
     sampler = BatchSampler(train_tokens, tc.batch_size, seq_len, seed=tc.seed)
-    if resume:
+    if resume and is_sharded(ckpt):
+        load_sharded(ckpt, model, opt, alone=not env.active)
+        bad = nonfinite_tensors(local_tensors(model, None))  # this rank's shards
+        if D.max_over_ranks(env, len(bad)):
+            _refuse_nonfinite(ckpt, bad or ["on another rank"])
+        sampler.load_state_dict(trainer_state["sampler"])
+    elif resume:
         opt_state = load_optimizer_state(ckpt)
         if opt_state is None:
             raise ValueError(f"{ckpt} has no optimizer state: cannot resume exactly")
@@ -616,6 +633,9 @@ def _start(
         step_fn=_step_module(model, tc, env, device, parallel),
         saved_step=start_step,
         env=env,
+        parallel=parallel,
+        sharded_checkpoints=tc.checkpoint_format == "sharded"
+        or (tc.checkpoint_format == "auto" and parallel == "fsdp"),
         bad_step=torch.zeros((), dtype=torch.int64, device=device),
         bad_values=torch.zeros(3, device=device),
     )
@@ -623,6 +643,14 @@ def _start(
     for name, param in model.named_parameters():
         (run.predictor_params if ".predictor." in name else run.lm_params).append(param)
     return run
+
+
+def _refuse_nonfinite(ckpt: Path, bad: list[str]) -> None:
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds weights that are NaN or infinite ({', '.join(bad[:3])}): "
+            "it was written by a run that diverged. Start over (--overwrite) with a lower --lr"
+        )
 
 
 def _step_module(
@@ -785,9 +813,20 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
         raise TrainingDiverged(msg)
     run.log.write({"step": done, **ev})
     bar.write(format_eval(done, ev))
-    weights, opt_state = D.full_state(run.model, run.opt)  # a collective when sharded
-    if run.env.is_main:
-        _save(run, done, weights, opt_state)
+    if run.sharded_checkpoints:  # every rank writes its shards
+        save_sharded_checkpoint(
+            run.ckpt_dir,
+            run.model,
+            run.opt,
+            run.model_config,
+            run.env,
+            trainer_state=_trainer_state(run, done),
+            tokenizer=run.tokenizer,
+        )
+    else:
+        weights, opt_state = D.full_state(run.model, run.opt)  # a collective when sharded
+        if run.env.is_main:
+            _save(run, done, weights, opt_state)
     D.barrier(run.env)  # no rank runs ahead of a checkpoint being written
     run.saved_step = done
     run.window_t += time.perf_counter() - t0
@@ -814,14 +853,22 @@ def _save(
         weights=weights,
         optimizer=run.opt if opt_state is None else opt_state,
         tokenizer=run.tokenizer,
-        trainer_state={
-            "step": done,
-            "sampler": run.sampler.state_dict(),
-            "data_fingerprint": run.fingerprint,
-            "elapsed_s": run.elapsed,
-            "train_config": dataclasses.asdict(run.tc),
-        },
+        trainer_state=_trainer_state(run, done),
     )
+
+
+def _trainer_state(run: _Run, done: int) -> dict[str, Any]:
+    return {
+        "step": done,
+        "sampler": run.sampler.state_dict(),
+        "data_fingerprint": run.fingerprint,
+        "elapsed_s": run.elapsed,
+        "train_config": dataclasses.asdict(run.tc),
+        # How it was written (informational: any world size and mode resumes either kind).
+        "checkpoint_format": "sharded" if run.sharded_checkpoints else "whole",
+        "world_size": run.env.world_size,
+        "parallel": run.parallel,
+    }
 
 
 def mean_expert_share(metrics_path: Path) -> dict[str, float]:
@@ -893,7 +940,11 @@ def train(
         # One run per folder: rank 0 holds the lock for the job.
         with RunLock(out_dir) if env.is_main else contextlib.nullcontext():
             run = _start(model_config, tc, resume, overwrite, env, device)
-            return _train_loop(run, progress and env.is_main)
+            summary = _train_loop(run, progress and env.is_main)
+        # Every rank done before the group is torn down: gloo aborts a process whose peers
+        # destroy the group while it still runs ("terminate called without an active exception").
+        D.barrier(env)
+        return summary
     finally:
         D.shutdown(env)
 
