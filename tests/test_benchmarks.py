@@ -79,3 +79,33 @@ def test_benchmark_ends_with_json(script: str, args: list[str], keys: set[str]):
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert keys <= set(last), sorted(last)
+
+
+def test_nccl_estimate_counts_the_bytes_of_ring_collectives():
+    """`distributed.py --nccl` is arithmetic: its bytes per rank are the ring all-reduce's
+    2 (n-1)/n of the float32 gradients under DDP and 3 (n-1)/n under FSDP2 (two all-gathers and
+    a reduce-scatter), of parameters counted here on a real model; its break-even token count
+    makes compute take as long as the network transfer."""
+    from mixture_of_depths import MoDConfig, MoDTransformer
+
+    args = ["--nccl", "--d-model", "64", "--n-layers", "4", "--n-heads", "4", "--vocab-size",
+            "300", "--nccl-seq-len", "32", "--tokens-per-gpu", "128", "--gpus", "4"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = MoDConfig(vocab_size=300, d_model=64, n_layers=4, n_heads=4, max_seq_len=32)
+    s = out["settings"]
+    rate = s["peak_tflops"] * 1e12 * s["mfu"]
+    for row, model_cfg in zip(out["models"], (cfg, cfg.dense_twin()), strict=True):
+        params = sum(p.numel() for p in MoDTransformer(model_cfg).parameters())
+        assert row["params"] == params
+        assert row["ddp"]["bytes_per_rank"] == pytest.approx(2 * 3 / 4 * params * 4)
+        assert row["fsdp"]["bytes_per_rank"] == pytest.approx(3 * 3 / 4 * params * 4)
+        even = row["ddp"]["tokens_per_gpu_compute_equals_network"]
+        compute_s = even * row["train_flops_per_token"] / rate
+        assert compute_s == pytest.approx(row["ddp"]["network_ms"] / 1e3)
+    mod, dense = out["models"]
+    assert mod["train_flops_per_token"] < dense["train_flops_per_token"]

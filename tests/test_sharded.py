@@ -71,7 +71,8 @@ def test_sharded_checkpoint_holds_what_the_single_file_one_holds(tmp_path: Path,
     assert is_sharded(sharded) and not is_sharded(whole)
     assert not (sharded / "model.safetensors").exists()
     a, b = load_model(sharded)[0], load_model(whole)[0]
-    x = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(0, model.config.vocab_size, (3, 20), generator=gen)
     for routing in ("topk", "causal"):
         want = model(x, routing=routing).logits
         assert torch.equal(a(x, routing=routing).logits, want)

@@ -7,7 +7,8 @@ trains data-parallel with DDP: every rank holds the whole model, reads the same 
 (``--batch-size`` stays the global batch, so hyperparameters do not change with the number of
 processes) and runs its own rows of it, ``batch_size / world_size`` of them, in ``--grad-accum``
 micro-batches; gradients are averaged across ranks. Losses, routing metrics and evaluation are
-averaged over ranks, so the log is the whole batch's, not rank 0's. Rank 0 alone writes files.
+averaged over ranks, so the log is the whole batch's, not rank 0's. Rank 0 writes the log and
+whole checkpoints; every rank writes its shard of a sharded one (`checkpoint`, `sharded`).
 
 The backend is gloo on the CPU and NCCL on CUDA (each rank on ``cuda:LOCAL_RANK``); multi-node
 is the same command with torchrun's rendezvous flags.
