@@ -245,6 +245,22 @@ def test_killed_rank_restarts_from_its_last_checkpoint_and_ends_as_uninterrupted
     assert [r["loss"] for r in killed if "loss" in r] == pytest.approx(want, rel=1e-8)
 
 
+def test_fsdp_job_restarted_after_a_rank_died_mid_save_ends_as_one_process(
+    corpus, tmp_path, env, reference
+):
+    """Rank 1 of a 2-rank FSDP2 job is killed inside its sharded write of step 4 under torchrun
+    --max-restarts 1: the restarted job resumes from step 2's checkpoint by itself, removes the
+    cut-short write, and ends with the single process's losses."""
+    crash = str(Path(__file__).with_name("crash.py"))
+    out = tmp_path / "fsdp"
+    args = [*COMMON, "--data", str(corpus), "--out", str(out), "--parallel", "fsdp"]
+    proc = run_mod(args, env, nproc=2, launch=["--max-restarts=1", crash, "shards@1", "2"])
+    assert "restarted by torchrun; resuming" in proc.stderr
+    assert_same_run(logged(out), reference)
+    assert not list(out.glob(".checkpoint.*.tmp"))
+    assert json.loads((out / "checkpoint" / "trainer.json").read_text())["step"] == 6
+
+
 def free_port() -> int:
     import socket
 
