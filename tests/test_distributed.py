@@ -129,7 +129,7 @@ def test_fsdp_equals_one_process_a_rank_killed_mid_save_keeps_the_last_checkpoin
 ):
     """A 2-rank FSDP2 job (sharded checkpoints, the default under FSDP2) whose rank 1 is killed
     (kill -9) inside its third checkpoint write, at step 6, with no restart. Its log is the
-    single-process run's; the checkpoint of step 4 is intact (the killed write left only a
+    single-process run's; the checkpoint of step 4 is intact (the killed write left at most a
     temporary folder). That checkpoint resumes in 1 process and on 3 ranks (DCP reshards the
     2-rank shards), and both end as the uninterrupted single process did; the 3-rank job's own
     sharded checkpoint consolidates into a single-file one that holds the same weights and
@@ -147,7 +147,9 @@ def test_fsdp_equals_one_process_a_rank_killed_mid_save_keeps_the_last_checkpoin
     assert json.loads((ckpt / "trainer.json").read_text())["step"] == 4
     assert is_sharded(ckpt) and not (ckpt / "model.safetensors").exists()
     assert len(shard_files(ckpt)) == 2
-    assert len(list(out.glob(".checkpoint.*.tmp"))) == 1  # the write cut short
+    # The write cut short: left behind, or removed by rank 0 if it saw rank 1's end (a gloo
+    # error) before torchrun stopped it.
+    assert len(list(out.glob(".checkpoint.*.tmp"))) <= 1
     load_model(ckpt)  # loadable as it is
     three = tmp_path / "three"
     shutil.copytree(out, three)

@@ -111,6 +111,28 @@ def test_a_noop_expert_adds_exactly_zero():
     assert torch.equal(y[noop], torch.zeros_like(y[noop]))  # exactly zero, not tiny
 
 
+def test_every_parameter_gets_a_gradient_whatever_the_tokens_chose():
+    """A rank whose tokens all chose no-op experts still has (zero) gradients for the experts:
+    FSDP2 reduce-scatters a unit's gradients as one buffer, so which parameters have one must
+    not depend on the data, or the ranks' collectives mismatch and the job aborts."""
+    layer = expert_layer(n_experts=2, n_noop_experts=2)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[3, 0] = 50.0  # a token with x[0] > 0 picks no-op 3
+    x = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    has_grad = []
+    for inp in (x, x.abs()):  # some tokens reach a real expert; none does
+        layer.zero_grad(set_to_none=True)
+        y, route = layer(inp)
+        (y.sum() + route.logits.sum()).backward()
+        has_grad.append({n for n, p in layer.named_parameters() if p.grad is not None})
+    assert not route.kept.any()
+    assert has_grad[0] == has_grad[1] == {n for n, _ in layer.named_parameters()}
+    assert not layer.w13.grad.any() and not layer.w2.grad.any()
+    with torch.no_grad():  # decoding: no gradient, nothing extra computed
+        assert not layer(x.abs())[0].requires_grad
+
+
 def test_one_expert_with_probability_one_is_the_dense_mlp():
     dense_cfg = tiny_config(layer_pattern="D")
     moe_cfg = tiny_config(layer_pattern="D", n_experts=1, d_ff_expert=dense_cfg.d_ff)

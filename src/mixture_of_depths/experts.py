@@ -182,7 +182,13 @@ class ExpertMLP(nn.Module):
         counts = counts_d.tolist()  # the one host sync: the slices' bounds
         n_kept = sum(counts)
         if n_kept == 0:  # every slot chose a no-op or was dropped (common in decoding)
-            return torch.zeros_like(x), route
+            out = torch.zeros_like(x)
+            if torch.is_grad_enabled():
+                # Zero gradients for the experts all the same: FSDP2 reduce-scatters a unit's
+                # gradients as one buffer, and a rank whose tokens all chose no-ops would send
+                # fewer bytes than its peers (a collective mismatch that aborts the job).
+                out = out + 0 * (self.w13.sum() + self.w2.sum()).to(x.dtype)
+            return out, route
         order = order[:n_kept]
         tok, w = tok_S[order], route.probs.reshape(-1)[order]
         x_sorted = x_ND.index_select(0, tok)
