@@ -24,7 +24,11 @@ def _field_type(annotation: Any) -> Any:
 
 
 def _add_dataclass_flags(
-    parser: argparse.ArgumentParser, cls: type, skip: set[str], preset: bool = False
+    parser: argparse.ArgumentParser,
+    cls: type,
+    skip: set[str],
+    preset: bool = False,
+    choices: dict[str, tuple[str, ...]] = FIELD_CHOICES,
 ) -> None:
     """One flag per field, default None so that only flags the user gave override anything.
 
@@ -52,10 +56,10 @@ def _add_dataclass_flags(
                 default=None,
                 help=f"(default: {default})",
             )
-        elif f.name in FIELD_CHOICES:
+        elif f.name in choices:
             parser.add_argument(
                 flag,
-                choices=FIELD_CHOICES[f.name],
+                choices=choices[f.name],
                 default=None,
                 help=f"(default: {default})",
             )
@@ -75,7 +79,7 @@ def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .train import TrainConfig
+    from .train import TRAIN_CHOICES, TrainConfig
 
     parser = argparse.ArgumentParser(
         prog="mod", description="Mixture-of-Depths transformers: train, evaluate, inspect."
@@ -107,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_group = p.add_argument_group("model (MoDConfig fields)")
     _add_dataclass_flags(model_group, MoDConfig, skip={"vocab_size"}, preset=True)
     train_group = p.add_argument_group("training")
-    _add_dataclass_flags(train_group, TrainConfig, skip=set())
+    _add_dataclass_flags(train_group, TrainConfig, skip=set(), choices=TRAIN_CHOICES)
 
     p = sub.add_parser("eval", help="validation loss (top-k and causal) and routing accuracy")
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")

@@ -113,10 +113,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, TRAIN_RANGES)
-        check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
-        check_choice("dtype", self.dtype, ("float32", "float64"))
-        check_choice("parallel", self.parallel, ("auto", "ddp", "fsdp"))
-        check_choice("checkpoint_format", self.checkpoint_format, ("auto", "whole", "sharded"))
+        for name, allowed in TRAIN_CHOICES.items():
+            check_choice(name, getattr(self, name), allowed)
         for name in ("out", "device"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -125,6 +123,14 @@ class TrainConfig:
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
 
+
+# The allowed values of the string fields (also the CLI's choices).
+TRAIN_CHOICES: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("byte", "bpe"),
+    "dtype": ("float32", "float64"),
+    "parallel": ("auto", "ddp", "fsdp"),
+    "checkpoint_format": ("auto", "whole", "sharded"),
+}
 
 # The allowed range of every numeric field, checked in one place (`checks.check_fields`).
 TRAIN_RANGES: dict[str, Range] = {
