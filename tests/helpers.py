@@ -119,3 +119,30 @@ def tc(corpus: Path, out: Path, **kw) -> TrainConfig:
 def losses(out: Path) -> dict[int, float]:
     rows = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def train_until(
+    cfg: MoDConfig, t: TrainConfig, stop_at: int, saver: str = "save_checkpoint"
+) -> None:
+    """Run `t` but die right after the checkpoint at `stop_at` (as a crash would); `saver`: the
+    checkpoint writer train.py calls (`save_sharded_checkpoint` for sharded runs)."""
+    import pytest
+
+    import mixture_of_depths.train as tr
+
+    real = getattr(tr, saver)
+
+    class Stop(Exception):
+        pass
+
+    def save_then_stop(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        real(*a, **kw)
+        if kw["trainer_state"]["step"] >= stop_at:
+            raise Stop
+
+    setattr(tr, saver, save_then_stop)
+    try:
+        with pytest.raises(Stop):
+            tr.train(cfg, t, progress=False)
+    finally:
+        setattr(tr, saver, real)

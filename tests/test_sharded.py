@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, losses, tc
+from helpers import TINY, losses, tc, train_until
 from safetensors import safe_open
 
 from mixture_of_depths import MoDConfig, MoDTransformer
@@ -97,29 +97,13 @@ def test_sharded_checkpoint_holds_what_the_single_file_one_holds(tmp_path: Path,
 def test_a_run_with_sharded_checkpoints_resumes_bit_exact(corpus: Path, tmp_path: Path):
     """One process, --checkpoint-format sharded: a run stopped after its step-3 checkpoint and
     resumed gives the uninterrupted run's losses and weights, bit for bit."""
-    import mixture_of_depths.train as tr
-
     cfg = MoDConfig(**TINY)
     full = tmp_path / "full"
     train(cfg, tc(corpus, full, checkpoint_format="sharded"), progress=False)
     assert is_sharded(full / "checkpoint")
     first = tmp_path / "first"
     stopped = tc(corpus, first, checkpoint_format="sharded")
-    real = tr.save_sharded_checkpoint
-
-    class Stop(Exception):
-        pass
-
-    def save_then_stop(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        real(*a, **kw)
-        raise Stop
-
-    tr.save_sharded_checkpoint = save_then_stop
-    try:
-        with pytest.raises(Stop):
-            train(cfg, stopped, progress=False)
-    finally:
-        tr.save_sharded_checkpoint = real
+    train_until(cfg, stopped, stop_at=3, saver="save_sharded_checkpoint")
     train(None, stopped, resume=True, progress=False)
     assert losses(first) == losses(full)
     a, b = load_model(full / "checkpoint")[0], load_model(first / "checkpoint")[0]

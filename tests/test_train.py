@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, losses, tc
+from helpers import TINY, losses, tc, train_until
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.checkpoint import load_model, save_checkpoint
@@ -26,7 +26,7 @@ def test_resume_reproduces_uninterrupted_run(corpus: Path, tmp_path: Path, causa
     train(cfg, tc(corpus, full), progress=False)
     first = tmp_path / "first"
     stopped = tc(corpus, first, steps=6, eval_every=3)
-    _train_until(cfg, stopped, stop_at=3)  # dies right after the step-3 checkpoint
+    train_until(cfg, stopped, stop_at=3)  # dies right after the step-3 checkpoint
     train(None, stopped, resume=True, progress=False)
     want, got = losses(full), losses(first)
     assert sorted(got) == sorted(want) == list(range(1, 7))
@@ -36,28 +36,6 @@ def test_resume_reproduces_uninterrupted_run(corpus: Path, tmp_path: Path, causa
     m_res, _ = load_model(first / "checkpoint")
     for (n, a), (_, b) in zip(m_full.state_dict().items(), m_res.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
-
-
-def _train_until(cfg: MoDConfig, t: TrainConfig, stop_at: int) -> None:
-    """Run `t` but die right after the checkpoint at `stop_at` (as a crash would)."""
-    import mixture_of_depths.train as tr
-
-    real = tr.save_checkpoint
-
-    class Stop(Exception):
-        pass
-
-    def save_then_stop(*a, **kw):
-        real(*a, **kw)
-        if kw["trainer_state"]["step"] >= stop_at:
-            raise Stop
-
-    tr.save_checkpoint = save_then_stop
-    try:
-        with pytest.raises(Stop):
-            train(cfg, t, progress=False)
-    finally:
-        tr.save_checkpoint = real
 
 
 def test_checkpoint_round_trip_gives_identical_logits(tmp_path: Path):
@@ -228,7 +206,7 @@ def test_resume_survives_a_half_written_log_line(corpus, tmp_path):
     cfg = MoDConfig(**TINY)
     full, cut = tmp_path / "full", tmp_path / "cut"
     train(cfg, tc(corpus, full), progress=False)
-    _train_until(cfg, tc(corpus, cut), stop_at=3)
+    train_until(cfg, tc(corpus, cut), stop_at=3)
     with (cut / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 4, "loss": 1.2')  # a crash in the middle of a write
     train(None, tc(corpus, cut), resume=True, progress=False)
