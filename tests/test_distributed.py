@@ -197,22 +197,28 @@ def test_fsdp_equals_one_process_a_rank_killed_mid_save_keeps_the_last_checkpoin
     assert logged(three)[-1]["step"] == 7
 
 
-def test_expert_layers_under_fsdp_equal_micro_batches_in_one_process(corpus, tmp_path, env):
-    """Staged MoDE sharded by FSDP2 against one process with `--grad-accum 2`: each rank's rows
-    are one micro-batch, and the load-balancing loss and capacity are a micro-batch's (as in
-    every data-parallel MoE), so these two runs are the same computation. This caught the expert
-    routes of blocks being lost when FSDP2 rebuilt a block's arguments."""
-    base = [*COMMON, "--data", str(corpus), "--n-experts", "4"]
-    acc, fsdp = tmp_path / "acc", tmp_path / "fsdp"
+def test_expert_layers_under_ddp_and_fsdp_equal_micro_batches_in_one_process(corpus, tmp_path, env):
+    """MoDE (routed blocks with 2 experts and 14 no-op experts) under DDP and sharded by FSDP2,
+    against one process with `--grad-accum 2`: each rank's rows are one micro-batch, and the
+    load-balancing loss and capacity are a micro-batch's (as in every data-parallel MoE), so
+    these runs are the same computation. This caught the expert routes of blocks being lost
+    when FSDP2 rebuilt a block's arguments, and, with so many no-ops that some steps send no
+    token of a rank to a real expert, the experts' gradients missing on that rank only (a
+    collective mismatch that aborted the job)."""
+    base = [*COMMON, "--data", str(corpus), "--n-experts", "2", "--n-noop-experts", "14"]
+    acc, fsdp, ddp = tmp_path / "acc", tmp_path / "fsdp", tmp_path / "ddp"
     run_mod([*base, "--out", str(acc), "--grad-accum", "2"], env)
     whole = ["--checkpoint-format", "whole"]
     run_mod([*base, "--out", str(fsdp), "--parallel", "fsdp", *whole], env, nproc=2)
-    want, got = logged(acc), logged(fsdp)
-    assert_same_run(got, want, "staged MoDE, FSDP2 2 ranks vs 1 process --grad-accum 2")
-    for g, w in zip(got, want, strict=True):
-        if "moe_loss" in w:
-            assert g["moe_loss"] == pytest.approx(w["moe_loss"], rel=1e-5)
-            assert set(g["expert_share"]) == set(w["expert_share"]) == {"0", "1", "2", "3"}
+    run_mod([*base, "--out", str(ddp), "--parallel", "ddp"], env, nproc=2)
+    want = logged(acc)
+    for name, out in (("FSDP2", fsdp), ("DDP", ddp)):
+        got = logged(out)
+        assert_same_run(got, want, f"MoDE, {name} 2 ranks vs 1 process --grad-accum 2")
+        for g, w in zip(got, want, strict=True):
+            if "moe_loss" in w:
+                assert g["moe_loss"] == pytest.approx(w["moe_loss"], rel=1e-5)
+                assert set(g["expert_share"]) == set(w["expert_share"]) == {"0", "1", "2", "3"}
     # --checkpoint-format whole under FSDP2: rank 0 wrote the gathered weights, one file.
     from mixture_of_depths.checkpoint import load_model
 
