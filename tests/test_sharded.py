@@ -29,7 +29,8 @@ from mixture_of_depths.train import TrainConfig, make_optimizer, train
 
 
 def trained(tie: bool) -> tuple[MoDConfig, MoDTransformer, torch.optim.AdamW]:
-    """A tiny model after two AdamW steps, so that every moment is set."""
+    """A tiny model after two AdamW steps. The routers get no gradient, so AdamW holds no state
+    for them, as for the weights of a block that took no token or random-score routers."""
     cfg = MoDConfig(**TINY, tie_embeddings=tie, routing="staggered", causal_router="predictor")
     torch.manual_seed(1)
     model = MoDTransformer(cfg)
@@ -37,6 +38,9 @@ def trained(tie: bool) -> tuple[MoDConfig, MoDTransformer, torch.optim.AdamW]:
     x = torch.randint(0, cfg.vocab_size, (2, 24))
     for _ in range(2):
         model(x, targets=x).loss.backward()
+        for name, p in model.named_parameters():
+            if ".router." in name:
+                p.grad = None
         opt.step()
         opt.zero_grad()
     return cfg, model, opt
@@ -84,6 +88,7 @@ def test_sharded_checkpoint_holds_what_the_single_file_one_holds(tmp_path: Path,
             keys |= set(st.keys())
     assert ("model.lm_head.weight" in keys) != tie  # a tied weight is stored once
     want_opt = load_optimizer_state(whole)
+    assert 0 < len(want_opt["state"]) < len(list(model.parameters()))  # routers have none
     assert_same_optimizer(load_optimizer_state(sharded), want_opt)
     # Consolidated, it is the single-file checkpoint, tensor for tensor.
     out = consolidate_checkpoint(sharded, tmp_path / "consolidated")
@@ -123,7 +128,7 @@ def test_non_finite_weights_are_not_written_and_the_last_checkpoint_stays(tmp_pa
     load_model(d)
 
 
-def test_damaged_shards_are_named_and_never_unpickled(tmp_path: Path):
+def test_damaged_or_lost_shards_are_named_and_never_unpickled(tmp_path: Path):
     cfg, model, opt = trained(True)
     d = save_sharded_checkpoint(tmp_path / "ck", model, opt, cfg, DistEnv(), trainer_state={})
     shard = next((d / "shards").glob("*.safetensors"))
@@ -134,14 +139,26 @@ def test_damaged_shards_are_named_and_never_unpickled(tmp_path: Path):
         def __reduce__(self):  # noqa: ANN204
             return (marker.write_text, ("ran",))
 
-    for bad in (good[: len(good) // 2], pickle.dumps(Payload()), b""):
+    evil = pickle.dumps(Payload())
+    # The same size as the shard it replaces: past the index of files, into the reader.
+    for bad in (evil + b" " * (len(good) - len(evil)), b"\0" * len(good)):
         shard.write_bytes(bad)
         with pytest.raises(CheckpointError, match=r"ck/shards.*do not load"):
             load_model(d)
         assert not marker.exists()
-    shard.unlink()
-    with pytest.raises(CheckpointError, match="no shard files"):
-        load_model(d)
+    # Cut short, lost, or a stray file: the index of shard files says so before any is read.
+    for damage in ("truncate", "unlink", "extra"):
+        shard.write_bytes(good)
+        if damage == "truncate":
+            shard.write_bytes(good[: len(good) // 2])
+        elif damage == "unlink":
+            shard.unlink()
+        else:
+            (d / "shards" / "stray.safetensors").write_bytes(good)
+        with pytest.raises(CheckpointError, match=r"not those shards.json lists"):
+            load_model(d)
+    (d / "shards" / "stray.safetensors").unlink()
+    load_model(d)  # whole again
 
 
 def test_consolidate_refuses_what_it_cannot_do(tmp_path: Path, capsys):

@@ -10,7 +10,8 @@ A checkpoint is a directory::
 
 or, written by every rank of a job at once (`save_sharded_checkpoint`, the default under FSDP2),
 a sharded one: ``shards/`` (one safetensors file per rank, see `sharded`) in place of the two
-safetensors files, and ``optimizer.json`` naming parameters. Every reader here takes both kinds;
+safetensors files, ``optimizer.json`` naming parameters, and ``shards.json`` listing the shard
+files and their sizes. Every reader here takes both kinds;
 `consolidate_checkpoint` turns a sharded checkpoint into the single-file kind.
 
 The directory is written under a temporary name and renamed into place, so a crash leaves either the
@@ -139,6 +140,9 @@ def _check_optimizer_meta(path: Path, meta: dict) -> None:
         raise corrupt(path, "'param_groups' must be a list of objects")
     if not isinstance(scalars, dict):
         raise corrupt(path, "'scalars' must be an object")
+    names = meta.get("with_state", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise corrupt(path, "'with_state' must be a list of parameter names")
 
 
 def save_checkpoint(
@@ -215,13 +219,23 @@ def save_sharded_checkpoint(
             f"refusing to write checkpoint {final}: tensors hold NaN or infinity "
             f"({', '.join(bad[:3]) or 'on another rank'}{', ...' if len(bad) > 3 else ''})"
         )
-    made = None
+    made, setup_error = None, None
     if env.is_main:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(final)
-        made = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-        os.chmod(made, umask_mode(0o777))
-    tmp = Path(str(D.broadcast_object(env, made)))
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(final)
+            made = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+            os.chmod(made, umask_mode(0o777))
+        except OSError as exc:  # every rank must learn of it, not wait for a folder
+            setup_error = exc
+    made, error = D.broadcast_object(
+        env, (made, None if setup_error is None else repr(setup_error))
+    )
+    if setup_error is not None:
+        raise setup_error
+    if error is not None:
+        raise RuntimeError(f"rank 0 could not start checkpoint {final}: {error}")
+    tmp = Path(str(made))
     if D.max_over_ranks(env, int(not tmp.is_dir())):
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -234,6 +248,9 @@ def save_sharded_checkpoint(
         meta = write_shards(tmp / SHARDS_DIR, model, optimizer)
         if env.is_main:
             fsync_dir(tmp / SHARDS_DIR)
+            # What the ranks wrote, so that a load notices a shard file lost or cut short (DCP
+            # would take the tensor's size from the files left and read the gaps as they are).
+            write_json(tmp / SHARDS_INDEX, {"files": _shard_files(tmp)})
             write_json(tmp / "config.json", config.to_dict())
             write_json(tmp / "optimizer.json", meta)
             write_json(tmp / "trainer.json", trainer_state)
@@ -251,6 +268,32 @@ def save_sharded_checkpoint(
     if error is not None:
         raise RuntimeError(f"rank 0 could not complete checkpoint {final}: {error}")
     return final
+
+
+SHARDS_INDEX = "shards.json"
+
+
+def _shard_files(d: Path) -> dict[str, int]:
+    """The shard files of checkpoint folder `d`, with their sizes in bytes."""
+    return {f.name: f.stat().st_size for f in sorted((d / SHARDS_DIR).glob("*.safetensors"))}
+
+
+def _check_shard_files(d: Path) -> None:
+    """The shard files are those `shards.json` lists, at their sizes, or a `CheckpointError`."""
+    index = d / SHARDS_INDEX
+    want = read_json_file(index, ("files",))["files"]
+    if not isinstance(want, dict):
+        raise corrupt(index, "'files' must be an object of file names and sizes")
+    have = _shard_files(d)
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    resized = sorted(n for n in set(want) & set(have) if want[n] != have[n])
+    if missing or extra or resized:
+        raise corrupt(
+            d / SHARDS_DIR,
+            f"its files are not those {SHARDS_INDEX} lists (missing {missing}, unexpected "
+            f"{extra}, another size {resized})",
+        )
 
 
 def _place(tmp: Path, final: Path) -> None:
@@ -296,6 +339,7 @@ def load_sharded(
     that wrote it: one process (`alone`) reads everything; under a job every rank calls it with
     `alone=False` and reads the slices its own sharding holds. Errors are `CheckpointError`."""
     d = resolve_checkpoint(directory)
+    _check_shard_files(d)
     meta = None
     if optimizer is not None:
         meta_path = d / "optimizer.json"
@@ -371,8 +415,11 @@ def consolidate_checkpoint(source: str | Path, dest: str | Path) -> Path:
         raise ValueError(f"write the consolidated checkpoint to another folder than {d}")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: pick another destination")
-    model, config, opt = _restore_sharded(d, with_optimizer=True)
     trainer = read_json_file(d / "trainer.json") if (d / "trainer.json").exists() else None
+    model, config, opt = _restore_sharded(d, with_optimizer=True)
+    again = read_json_file(d / "trainer.json") if (d / "trainer.json").exists() else None
+    if again != trainer:  # a run saved into it meanwhile: its files may be of two steps
+        raise RuntimeError(f"{d} was replaced while it was read (a run saving?): run it again")
     if trainer is not None:
         trainer = {**trainer, "checkpoint_format": "whole", "consolidated_from": str(d)}
     tokenizer = d / "tokenizer.json"

@@ -61,10 +61,16 @@ def restarted() -> bool:
 
 
 def init(env: DistEnv, device: torch.device) -> None:
-    """Join the process group (gloo on the CPU, NCCL on CUDA) unless one process or joined."""
+    """Join the process group unless one process or joined: gloo on the CPU; on CUDA, NCCL for
+    CUDA tensors and gloo for the CPU ones (the metrics averaged over ranks, the objects rank 0
+    broadcasts, DCP's plans), each rank on its own GPU."""
     if not env.active or dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "gloo"
+    if device.type == "cuda":
+        # Before the group: NCCL and object collectives use the current device, cuda:0 unless set.
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
     if not restarted():
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
         return

@@ -88,7 +88,9 @@ def write_shards(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> di
             storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
             no_dist=not _joined(),
         )
-    return {"param_groups": osd["param_groups"], "scalars": scalars}
+    # Parameters that never had a gradient have no AdamW state: say which do, so that a load
+    # leaves the others without state too (not with the zero state DCP's loader makes).
+    return {"param_groups": osd["param_groups"], "scalars": scalars, "with_state": sorted(tensors)}
 
 
 def read_shards(
@@ -104,13 +106,20 @@ def read_shards(
     `alone` (one process reading the whole checkpoint, with or without a process group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if not any(Path(path).glob("*.safetensors")):
         raise FileNotFoundError(f"no shard files (*.safetensors) in {path}")
     msd, osd = _state(model, opt)
     state: dict[str, Any] = {"model": msd}
     if osd is not None:
+        if optimizer_meta is not None and "with_state" in optimizer_meta:
+            keep = set(optimizer_meta["with_state"])
+            osd["state"] = {k: v for k, v in osd["state"].items() if k in keep}
         state["optim"] = osd["state"]
     with _quiet():
         dcp.load(
@@ -128,7 +137,9 @@ def read_shards(
         fqn, k = key.rsplit(".", 1)
         osd["state"].setdefault(fqn, {})[k] = v
     osd["param_groups"] = optimizer_meta["param_groups"]
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    # Not strict: parameters without saved state (never had a gradient) are meant to have none.
+    options = StateDictOptions(strict=False)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
 
 
 @contextlib.contextmanager
