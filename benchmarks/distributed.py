@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['processes']:>5} {r['tokens_per_s']:>10,.0f} {r['speedup']:>6.2f}x "
             f"{r['comm_bytes_per_rank'] / 1e6:>27.2f}"
         )
-    result = {"settings": {k: v for k, v in vars(args).items()}, "params": params, "rows": rows}
+    measured = ("preset", "procs", "parallel", "steps", "batch_size", "seq_len", "data")
+    result = {"settings": {k: getattr(args, k) for k in measured}, "params": params, "rows": rows}
     print(json.dumps(result))
     return result
 
