@@ -160,6 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
 
     p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face transformers folder (needs the [hf] extra)",
+        description="Write a checkpoint as a transformers folder: config.json, model.safetensors, "
+        "generation_config.json and the tokenizer. After `import mixture_of_depths.hf`, "
+        "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it. "
+        "`mod convert --from-hf` brings it back.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
+    p.add_argument("--hf", required=True, metavar="OUT", help="new folder (must not exist)")
+
+    p = sub.add_parser(
+        "convert",
+        help="a Hugging Face folder to a checkpoint (needs the [hf] extra)",
+        description="Read a transformers folder and write our checkpoint: a MoD model exported "
+        "by `mod export --hf` comes back exactly.",
+    )
+    p.add_argument("--from-hf", required=True, metavar="DIR", help="transformers model folder")
+    p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
+
+    p = sub.add_parser(
         "consolidate",
         help="turn a sharded checkpoint (FSDP2) into a single-file one",
         description="Read a sharded checkpoint (written by every rank of a torchrun job, the "
@@ -536,6 +556,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hf() -> types.ModuleType:
+    try:
+        from . import hf
+    except ImportError as exc:
+        raise RuntimeError(str(exc)) from None
+    return hf
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = _hf().export_checkpoint(args.checkpoint, args.hf)
+    files = ", ".join(sorted(f.name for f in out.iterdir()))
+    print(f"{out}: transformers folder of {args.checkpoint} ({files})")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    out = _hf().import_pretrained(args.from_hf, args.out)
+    print(f"{out}: checkpoint of {args.from_hf}")
+    return 0
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate_checkpoint, load_config, resolve_checkpoint
 
@@ -558,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
         "generate": cmd_generate,
         "consolidate": cmd_consolidate,
+        "export": cmd_export,
+        "convert": cmd_convert,
         "flops": cmd_flops,
         "study": cmd_study,
         "bench": cmd_bench,

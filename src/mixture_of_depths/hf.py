@@ -44,8 +44,14 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
         "'mixture-of-depths[hf]'"
     ) from exc
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 from .cache import KVCache
 from .config import MoDConfig
+from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
 from .model import IGNORE_INDEX, MoDTransformer
 
 MODEL_TYPE = "mixture_of_depths"
@@ -307,6 +313,122 @@ class MoDForCausalLM(PreTrainedModel, GenerationMixin):
             cache.seen += 1
         logits = torch.cat(steps, 1)
         return logits[:, -1:] if last else logits
+
+
+# -- tokenizers and whole folders ----------------------------------------------------------------
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what byte-level BPE vocabularies are spelled in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def hf_tokenizer(tokenizer: Tokenizer) -> Any:
+    """Our tokenizer as a transformers `PreTrainedTokenizerFast` with the same ids: a BPE one as
+    it is; the byte tokenizer as byte-level BPE with no merges (byte b is id b, end-of-text 256)."""
+    from tokenizers import Tokenizer as TkTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if isinstance(tokenizer, BPETokenizer):
+        tk = TkTokenizer.from_str(tokenizer._json)
+    elif isinstance(tokenizer, ByteTokenizer):
+        vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+        vocab[EOT_TOKEN] = tokenizer.eot_id
+        tk = TkTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tk.decoder = decoders.ByteLevel()
+        tk.add_special_tokens([EOT_TOKEN])
+    else:
+        raise ValueError(f"no transformers tokenizer for {type(tokenizer).__name__}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token=EOT_TOKEN, pad_token=EOT_TOKEN, bos_token=None
+    )
+
+
+def mod_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer of a transformers folder as ours: the byte tokenizer if it maps text to
+    UTF-8 bytes with end-of-text 256 (what `hf_tokenizer` writes), else BPE (which needs an
+    ``<|endoftext|>`` token)."""
+    from tokenizers import Tokenizer as TkTokenizer
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {directory}")
+    tk = TkTokenizer.from_file(str(path))
+    sample = "def f(x):\n\treturn 'héllo ☃' + x  # \u00e9\x00"
+    if (
+        tk.get_vocab_size(with_added_tokens=True) == ByteTokenizer.vocab_size
+        and tk.token_to_id(EOT_TOKEN) == ByteTokenizer.eot_id
+        and tk.encode(sample, add_special_tokens=False).ids == list(sample.encode("utf-8"))
+    ):
+        return ByteTokenizer()
+    return BPETokenizer(tk)
+
+
+def _write_folder(out: str | Path, write: Any) -> Path:
+    """`write(tmp)` into a temporary folder beside `out`, then renamed to `out` (which must not
+    exist, or be empty): a folder complete or absent."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder: pick another")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        write(tmp)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
+    """Our checkpoint as a transformers folder: config.json, model.safetensors,
+    generation_config.json and the tokenizer (`AutoModelForCausalLM` and `AutoTokenizer` load it
+    once `mixture_of_depths.hf` is imported)."""
+    from .checkpoint import load_model, resolve_checkpoint
+    from .data import load_tokenizer
+
+    ckpt = resolve_checkpoint(checkpoint)
+    model, _ = load_model(ckpt)
+    tokenizer = load_tokenizer(ckpt)
+    eot = tokenizer.eot_id
+    hf = MoDForCausalLM.from_mod(model.eval(), eos_token_id=eot, pad_token_id=eot)
+    hf.generation_config.eos_token_id = eot
+    hf.generation_config.pad_token_id = eot
+
+    def write(tmp: Path) -> None:
+        hf.save_pretrained(tmp)
+        hf_tokenizer(tokenizer).save_pretrained(tmp)
+
+    return _write_folder(out, write)
+
+
+def import_pretrained(directory: str | Path, out: str | Path) -> Path:
+    """A transformers folder of a MoD model (`export_checkpoint`'s) as our checkpoint."""
+    from .checkpoint import save_checkpoint
+
+    config = AutoConfig.from_pretrained(directory)
+    if not isinstance(config, MoDHFConfig):
+        raise ValueError(
+            f"{directory} holds a {config.model_type!r} model, not a {MODEL_TYPE!r} one"
+        )
+    hf = MoDForCausalLM.from_pretrained(directory)
+    tokenizer = mod_tokenizer(directory)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: pick another")
+    return save_checkpoint(out, hf.model, hf.model.config, tokenizer=tokenizer)
 
 
 AutoConfig.register(MODEL_TYPE, MoDHFConfig)

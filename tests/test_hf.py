@@ -1,0 +1,183 @@
+"""MoD models as Hugging Face transformers models (the `[hf]` extra; skipped without it).
+
+Oracles: our own `generate` (greedy output token for token), our model's forward on each row
+alone (padded batches), our model's losses, and the weights themselves (save/load round trip)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import V, make_model, tiny_config
+
+from mixture_of_depths import generate
+
+transformers = pytest.importorskip("transformers", minversion="5")
+
+from mixture_of_depths.hf import MoDCache, MoDForCausalLM, MoDHFConfig  # noqa: E402
+
+PROMPTS = [[5, 7, 9, 11, 3, 4, 12], [1, 2], [8, 8, 8, 30]]
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.fixture(params=["aux_loss", "predictor"])
+def hf_model(request) -> MoDForCausalLM:
+    cfg = tiny_config(causal_router=request.param)
+    return MoDForCausalLM.from_mod(make_model(cfg).eval(), pad_token_id=0)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_generate_through_transformers_equals_ours(hf_model, use_cache):
+    """Left-padded batch, attention mask, EOS: token for token what `generate` gives (float64,
+    so no argmax can flip on round-off between the two paths)."""
+    ours = generate(hf_model.model, PROMPTS, max_new_tokens=8, temperature=0)
+    ids, mask = left_padded(PROMPTS)
+    out = hf_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, use_cache=use_cache
+    )
+    assert out[:, ids.shape[1] :].tolist() == ours.tokens
+    eos = ours.tokens[0][2]  # row 0 stops at its third token; the others at theirs, if any
+    ours = generate(hf_model.model, PROMPTS, max_new_tokens=8, temperature=0, eos_id=eos)
+    out = hf_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
+        eos_token_id=eos, use_cache=use_cache,
+    )  # fmt: skip
+    for row, want in zip(out[:, ids.shape[1] :].tolist(), ours.tokens, strict=True):
+        assert row[: len(want)] == want
+        assert all(t == 0 for t in row[len(want) :])  # padded after EOS
+
+
+def test_sampling_runs_and_top_k_1_is_greedy(hf_model):
+    ids, mask = left_padded(PROMPTS)
+    greedy = hf_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=5
+    )
+    top1 = hf_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, top_k=1, max_new_tokens=5
+    )
+    assert torch.equal(greedy, top1)
+    torch.manual_seed(0)
+    sampled = hf_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.5, max_new_tokens=5
+    )
+    assert sampled.shape == greedy.shape and int(sampled.max()) < V
+
+
+def test_the_cache_counts_positions_not_the_keys_a_routed_layer_holds(hf_model):
+    ids, mask = left_padded(PROMPTS)
+    cache = MoDCache()
+    out = hf_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, cache=cache
+    )
+    seen = out.shape[1] - 1  # the last token is sampled, not fed
+    assert cache.get_seq_length() == seen
+    kv = cache.kv
+    cfg = hf_model.model.config
+    routed = [b.layer for b in hf_model.model.blocks if b.routed]
+    dense = [b.layer for b in hf_model.model.blocks if not b.routed]
+    real = [len(p) + 5 for p in PROMPTS]  # each row's own tokens: its prompt and 5 fed back
+    for layer in dense:
+        assert kv.lengths[layer].tolist() == real
+    assert any(kv.lengths[layer].sum() < sum(real) for layer in routed)
+    assert cfg.capacity < 1
+
+
+def test_a_padded_forward_gives_each_row_what_it_gives_alone(hf_model):
+    ids, mask = left_padded(PROMPTS)
+    logits = hf_model(input_ids=ids, attention_mask=mask).logits
+    P = ids.shape[1]
+    for b, p in enumerate(PROMPTS):
+        alone = hf_model.model(torch.tensor([p]), routing="causal").logits[0]
+        torch.testing.assert_close(logits[b, P - len(p) :], alone, rtol=0, atol=1e-12)
+    last = hf_model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    torch.testing.assert_close(last[:, 0], logits[:, -1], rtol=0, atol=1e-12)
+
+
+def test_labels_give_our_losses(hf_model):
+    x = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([x[:, 1:], torch.full((2, 1), -100)], 1)
+    got = hf_model(input_ids=x, labels=x).loss
+    want = hf_model.model(x, targets=targets, routing="causal").lm_loss
+    assert torch.equal(got, want)
+    hf_model.train()
+    got = hf_model(input_ids=x, labels=x).loss  # training: top-k routing, plus the aux loss
+    want = hf_model.model(x, targets=targets, routing="topk").loss
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="padded batches .* are for evaluation"):
+        hf_model(input_ids=x, attention_mask=torch.ones_like(x).index_fill(1, torch.tensor([0]), 0))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_save_pretrained_and_auto_from_pretrained_round_trip(tmp_path, tie):
+    model = make_model(tiny_config(tie_embeddings=tie)).eval()
+    hf = MoDForCausalLM.from_mod(model)
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, MoDHFConfig) and config.mod_config == model.config
+    assert config.hidden_size == model.config.d_model
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(back, MoDForCausalLM) and back.dtype == torch.float64
+    want = hf.state_dict()
+    assert back.state_dict().keys() == want.keys()
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items())
+    assert (back.model.lm_head.weight is back.model.embed.weight) == tie
+    ids, mask = left_padded(PROMPTS)
+    args = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    assert torch.equal(back.generate(**args), hf.generate(**args))
+
+
+def test_what_transformers_cannot_do_with_a_mod_model_is_refused(hf_model):
+    ids, mask = left_padded(PROMPTS)
+    with pytest.raises(ValueError, match="beam search"):
+        hf_model.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2)
+    holes = mask.clone()
+    holes[0, -2] = 0
+    with pytest.raises(ValueError, match="left-padded"):
+        hf_model(input_ids=ids, attention_mask=holes)
+    with pytest.raises(ValueError, match="prefill_routing"):
+        MoDHFConfig(prefill_routing="random")
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind):
+    """`mod export --hf` writes a folder transformers loads (model and tokenizer, same ids);
+    `mod convert --from-hf` brings it back to the same weights and tokenizer."""
+    from mixture_of_depths.checkpoint import load_model, save_checkpoint
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import BPETokenizer, ByteTokenizer, load_tokenizer
+
+    text = "def f(x):\n    return 'héllo ☃' + x\n" * 20
+    if kind == "byte":
+        tokenizer = ByteTokenizer()
+    else:
+        (tmp_path / "t.txt").write_text(text)
+        tokenizer = BPETokenizer.train([tmp_path / "t.txt"], vocab_size=300)
+    model = make_model(tiny_config(vocab_size=tokenizer.vocab_size), dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=tokenizer)
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), "--hf", str(out)]) == 0
+    assert "transformers folder" in capsys.readouterr().out
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    sample = "return 'héllo' + x"
+    assert tok(sample)["input_ids"] == tokenizer.encode(sample)
+    assert tok.eos_token_id == tokenizer.eot_id
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([tokenizer.encode(sample)])
+    want = generate(model.eval(), ids, max_new_tokens=5, temperature=0).tokens[0]
+    got = hf.generate(ids, do_sample=False, max_new_tokens=5)[0, ids.shape[1] :].tolist()
+    assert got == want
+    assert main(["export", str(ckpt), "--hf", str(out)]) == 2  # never over an existing folder
+    assert "exists" in capsys.readouterr().err
+    back = tmp_path / "back"
+    assert main(["convert", "--from-hf", str(out), "--out", str(back)]) == 0
+    a, b = load_model(ckpt)[0].state_dict(), load_model(back)[0].state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    restored = load_tokenizer(back)
+    assert type(restored) is type(tokenizer)
+    assert restored.encode(text) == tokenizer.encode(text)
