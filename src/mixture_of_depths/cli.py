@@ -168,16 +168,37 @@ def build_parser() -> argparse.ArgumentParser:
         "`mod convert --from-hf` brings it back.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
-    p.add_argument("--hf", required=True, metavar="OUT", help="new folder (must not exist)")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--hf", metavar="OUT", help="new folder of our model type (must not exist)")
+    to.add_argument(
+        "--llama",
+        metavar="OUT",
+        help="new folder in the Llama layout, for dense models (LlamaForCausalLM loads it)",
+    )
 
     p = sub.add_parser(
         "convert",
-        help="a Hugging Face folder to a checkpoint (needs the [hf] extra)",
-        description="Read a transformers folder and write our checkpoint: a MoD model exported "
-        "by `mod export --hf` comes back exactly.",
+        help="a Hugging Face folder to a checkpoint (a Llama or Mistral one becomes MoD)",
+        description="Read a transformers folder and write our checkpoint. A MoD model exported "
+        "by `mod export --hf` comes back exactly (needs the [hf] extra). A dense Llama or Mistral "
+        "checkpoint (config.json, safetensors weights, tokenizer.json) becomes a MoD model: its "
+        "weights unchanged, routers (and predictors) new, and a straight-through gate that is "
+        "exactly 1 forward, so at --capacity 1.0 it computes the original's logits.",
     )
     p.add_argument("--from-hf", required=True, metavar="DIR", help="transformers model folder")
     p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
+    p.add_argument("--layer-pattern", default="DR", help="D dense, R routed, tiled (default: DR)")
+    p.add_argument("--capacity", type=float, default=0.125, help="(default: 0.125)")
+    p.add_argument(
+        "--max-seq-len", type=int, default=None, help="(default: max_position_embeddings)"
+    )
+    p.add_argument(
+        "--causal-router",
+        choices=FIELD_CHOICES["causal_router"],
+        default="aux_loss",
+        help="(default: aux_loss)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="of the new routers (default: 0)")
 
     p = sub.add_parser(
         "consolidate",
@@ -565,15 +586,37 @@ def _hf() -> types.ModuleType:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = _hf().export_checkpoint(args.checkpoint, args.hf)
+    if args.hf:
+        out = _hf().export_checkpoint(args.checkpoint, args.hf)
+    else:
+        out = _hf().export_llama(args.checkpoint, args.llama)
     files = ", ".join(sorted(f.name for f in out.iterdir()))
-    print(f"{out}: transformers folder of {args.checkpoint} ({files})")
+    kind = "Llama" if args.llama else "transformers"
+    print(f"{out}: {kind} folder of {args.checkpoint} ({files})")
     return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    out = _hf().import_pretrained(args.from_hf, args.out)
-    print(f"{out}: checkpoint of {args.from_hf}")
+    from .convert import convert_folder, read_config
+
+    if read_config(args.from_hf).get("model_type") == "mixture_of_depths":
+        out = _hf().import_pretrained(args.from_hf, args.out)
+        print(f"{out}: checkpoint of {args.from_hf}")
+        return 0
+    out, cfg = convert_folder(
+        args.from_hf,
+        args.out,
+        args.layer_pattern,
+        args.capacity,
+        args.max_seq_len,
+        args.seed,
+        causal_router=args.causal_router,
+    )
+    routed = sum(kind == "R" for kind in cfg.layer_kinds)
+    print(
+        f"{out}: MoD checkpoint of {args.from_hf}: {cfg.n_layers} layers ({routed} routed at "
+        f"capacity {cfg.capacity}, new routers, straight-through gate), d_model {cfg.d_model}"
+    )
     return 0
 
 

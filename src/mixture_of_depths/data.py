@@ -253,15 +253,15 @@ class BPETokenizer(Tokenizer):
 
     name = "bpe"
 
-    def __init__(self, tokenizer: Any) -> None:
-        eot = tokenizer.token_to_id(EOT_TOKEN)
+    def __init__(self, tokenizer: Any, eot_token: str = EOT_TOKEN) -> None:
+        eot = tokenizer.token_to_id(eot_token)
         if eot is None:
-            raise ValueError(f"BPE tokenizer has no {EOT_TOKEN} token")
+            raise ValueError(f"BPE tokenizer has no {eot_token} token (its end-of-text)")
         # Text that happens to contain "<|endoftext|>" must stay text, not become a separator.
         tokenizer.encode_special_tokens = True
         self._tk = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eot_id = eot
+        self.eot_id, self.eot_token = eot, eot_token
         self._json = tokenizer.to_str()
 
     @classmethod
@@ -293,10 +293,10 @@ class BPETokenizer(Tokenizer):
         return cls(tk)
 
     @classmethod
-    def from_str(cls, text: str) -> BPETokenizer:
+    def from_str(cls, text: str, eot_token: str = EOT_TOKEN) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
-        return cls(HFTokenizer.from_str(text))
+        return cls(HFTokenizer.from_str(text), eot_token)
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids
@@ -305,10 +305,14 @@ class BPETokenizer(Tokenizer):
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, directory: Path) -> None:
-        atomic_write_text(Path(directory) / TOKENIZER_FILE, self._json)
+        text = self._json
+        if self.eot_token != EOT_TOKEN:  # another end-of-text (a converted model's): say which
+            text = json.dumps({"type": "bpe", "eot": self.eot_token, "tokenizer": json.loads(text)})
+        atomic_write_text(Path(directory) / TOKENIZER_FILE, text)
 
     def fingerprint(self) -> str:
-        return "bpe:" + hashlib.sha256(self._json.encode("utf-8")).hexdigest()
+        eot = "" if self.eot_token == EOT_TOKEN else f":{self.eot_token}"
+        return "bpe:" + hashlib.sha256(self._json.encode("utf-8")).hexdigest() + eot
 
     def encode_many(self, texts: list[str]) -> list[torch.Tensor]:
         encodings = self._tk.encode_batch(texts, add_special_tokens=False)
@@ -328,6 +332,11 @@ def load_tokenizer(directory: Path) -> Tokenizer:
         raise ValueError(f"tokenizer file {path} is corrupt or not a tokenizer: {e}") from None
     if isinstance(spec, dict) and spec.get("type") == "byte":
         return ByteTokenizer()
+    if isinstance(spec, dict) and spec.get("type") == "bpe" and isinstance(spec.get("eot"), str):
+        try:
+            return BPETokenizer.from_str(json.dumps(spec["tokenizer"]), spec["eot"])
+        except Exception as e:  # tokenizers raises its own plain Exception
+            raise ValueError(f"tokenizer file {path} is corrupt or not a tokenizer: {e}") from None
     if isinstance(spec, dict) and "model" in spec:
         try:
             return BPETokenizer.from_str(text)

@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
         "'mixture-of-depths[hf]'"
     ) from exc
 
+import json
 import os
 import shutil
 import tempfile
@@ -51,6 +52,7 @@ from pathlib import Path
 
 from .cache import KVCache
 from .config import MoDConfig
+from .convert import bytes_to_unicode, read_tokenizer
 from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
 from .model import IGNORE_INDEX, MoDTransformer
 
@@ -316,20 +318,6 @@ class MoDForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 # -- tokenizers and whole folders ----------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what byte-level BPE vocabularies are spelled in)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    keep += list(range(ord("®"), ord("ÿ") + 1))
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
 def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     """Our tokenizer as a transformers `PreTrainedTokenizerFast` with the same ids: a BPE one as
     it is; the byte tokenizer as byte-level BPE with no merges (byte b is id b, end-of-text 256)."""
@@ -340,7 +328,7 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     if isinstance(tokenizer, BPETokenizer):
         tk = TkTokenizer.from_str(tokenizer._json)
     elif isinstance(tokenizer, ByteTokenizer):
-        vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+        vocab = {ch: b for b, ch in bytes_to_unicode().items()}
         vocab[EOT_TOKEN] = tokenizer.eot_id
         tk = TkTokenizer(models.BPE(vocab=vocab, merges=[]))
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -351,26 +339,6 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, eos_token=EOT_TOKEN, pad_token=EOT_TOKEN, bos_token=None
     )
-
-
-def mod_tokenizer(directory: str | Path) -> Tokenizer:
-    """The tokenizer of a transformers folder as ours: the byte tokenizer if it maps text to
-    UTF-8 bytes with end-of-text 256 (what `hf_tokenizer` writes), else BPE (which needs an
-    ``<|endoftext|>`` token)."""
-    from tokenizers import Tokenizer as TkTokenizer
-
-    path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {directory}")
-    tk = TkTokenizer.from_file(str(path))
-    sample = "def f(x):\n\treturn 'héllo ☃' + x  # \u00e9\x00"
-    if (
-        tk.get_vocab_size(with_added_tokens=True) == ByteTokenizer.vocab_size
-        and tk.token_to_id(EOT_TOKEN) == ByteTokenizer.eot_id
-        and tk.encode(sample, add_special_tokens=False).ids == list(sample.encode("utf-8"))
-    ):
-        return ByteTokenizer()
-    return BPETokenizer(tk)
 
 
 def _write_folder(out: str | Path, write: Any) -> Path:
@@ -414,6 +382,34 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     return _write_folder(out, write)
 
 
+def export_llama(checkpoint: str | Path, out: str | Path) -> Path:
+    """A dense checkpoint of ours as a transformers Llama folder (`LlamaForCausalLM` loads it,
+    no import of ours needed), with its tokenizer."""
+    from safetensors.torch import save_file
+
+    from .checkpoint import load_model, resolve_checkpoint
+    from .convert import llama_config, to_llama
+    from .data import load_tokenizer
+
+    ckpt = resolve_checkpoint(checkpoint)
+    model, cfg = load_model(ckpt)
+    weights = to_llama(model)
+    tokenizer = load_tokenizer(ckpt)
+    config = {
+        **llama_config(cfg),
+        "torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "eos_token_id": tokenizer.eot_id,
+        "pad_token_id": tokenizer.eot_id,
+    }
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(weights, tmp / "model.safetensors", {"format": "pt"})
+        hf_tokenizer(tokenizer).save_pretrained(tmp)
+
+    return _write_folder(out, write)
+
+
 def import_pretrained(directory: str | Path, out: str | Path) -> Path:
     """A transformers folder of a MoD model (`export_checkpoint`'s) as our checkpoint."""
     from .checkpoint import save_checkpoint
@@ -424,7 +420,7 @@ def import_pretrained(directory: str | Path, out: str | Path) -> Path:
             f"{directory} holds a {config.model_type!r} model, not a {MODEL_TYPE!r} one"
         )
     hf = MoDForCausalLM.from_pretrained(directory)
-    tokenizer = mod_tokenizer(directory)
+    tokenizer = read_tokenizer(directory)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: pick another")

@@ -120,6 +120,12 @@ def gate(cfg: MoDConfig, r: Tensor, like: Tensor) -> Tensor:
     """g(r), the scale of a chosen token's update, in the dtype of the stream `like`."""
     if cfg.router_scores == "random":  # ablation: the noise scores carry no scale
         return torch.ones_like(r, dtype=like.dtype)
+    if cfg.router_gate == "straight_through":
+        # Exactly 1 forward (s - s.detach() is 0), sigmoid's gradient backward: a block updates
+        # its takers as the dense block did (a converted pretrained model is unchanged), and the
+        # router still learns which tokens' updates lower the loss.
+        s = torch.sigmoid(r)
+        return (1.0 + (s - s.detach())).to(like.dtype)
     return (torch.sigmoid(r) if cfg.router_gate == "sigmoid" else r).to(like.dtype)
 
 
