@@ -113,6 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
     train_group = p.add_argument_group("training")
     _add_dataclass_flags(train_group, TrainConfig, skip=set(), choices=TRAIN_CHOICES)
 
+    p = sub.add_parser(
+        "tune-routers",
+        help="train only the routers (and predictors) of a checkpoint, the rest frozen",
+        description="A new run from CHECKPOINT's weights (e.g. a dense model converted by `mod "
+        "convert`) that trains only its routers and predictors, by the LM loss (through the "
+        "straight-through gate) and the causal-router loss; --distill W adds W x KL(frozen dense "
+        "model || MoD model); --capacity-warmup N takes the capacity from 1.0 down to the "
+        "model's over N steps. The same as `mod train --init-from CHECKPOINT --tune routers`.",
+    )
+    p.add_argument("checkpoint", help="checkpoint to start from")
+    p.add_argument("--resume", action="store_true", help="continue this run in --out")
+    p.add_argument("--overwrite", action="store_true", help="start over in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.set_defaults(preset=None)
+    _add_dataclass_flags(p, TrainConfig, skip={"init_from"}, choices=TRAIN_CHOICES)
+
     p = sub.add_parser("eval", help="validation loss (top-k and causal) and routing accuracy")
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
     p.add_argument("--data", default=None, help="text file or folder (default: the run's data)")
@@ -314,14 +331,20 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"note: restarted by torchrun; {'resuming' if args.resume else 'starting over'}",
             file=sys.stderr,
         )
+    if getattr(args, "command", "") == "tune-routers":
+        train_over = {"tune": "routers", "out": "runs/tuned", **train_over}
+        train_over["init_from"] = args.checkpoint
+    if (args.resume or train_over.get("init_from")) and (model_over or args.preset):
+        print(
+            "note: the model comes from the checkpoint; model flags are ignored",
+            file=sys.stderr,
+        )
     if args.resume:
-        if model_over or args.preset:
-            print(
-                "note: --resume takes the model from the checkpoint; model flags are ignored",
-                file=sys.stderr,
-            )
         tc = resume_config(train_over.get("out", TrainConfig.out), train_over)
         summary = train(None, tc, resume=True, progress=not args.no_progress)
+    elif train_over.get("init_from"):
+        tc = TrainConfig(**train_over)
+        summary = train(None, tc, overwrite=args.overwrite, progress=not args.no_progress)
     else:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
         tc = TrainConfig(**train_over)
@@ -639,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {
         "train": cmd_train,
+        "tune-routers": cmd_train,
         "eval": cmd_eval,
         "generate": cmd_generate,
         "consolidate": cmd_consolidate,

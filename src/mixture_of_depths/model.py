@@ -65,6 +65,7 @@ class MoDOutput:
     # weighted load-balancing + z-loss (mean over those calls); None without experts or cache.
     expert_routes: list[ExpertRoute] = field(default_factory=list)
     moe_loss: Tensor | None = None
+    distill_loss: Tensor | None = None  # router tuning with distillation (`tune.Distilled`)
 
 
 @dataclass

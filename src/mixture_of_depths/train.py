@@ -63,6 +63,7 @@ from .precision import autocast_for
 from .routing import routing_accuracy
 from .runlock import RunLock
 from .sharded import local_tensors
+from .tune import Distilled, capacity_at, dense_teacher, freeze_all_but_routers, set_capacity
 
 CHECKPOINT_NAME = "checkpoint"
 # What a run writes in its folder beside the checkpoint (removed by --overwrite).
@@ -110,6 +111,14 @@ class TrainConfig:
     # ranks resumes it; `mod consolidate` makes it single-file); "whole": rank 0 writes one
     # safetensors file of the gathered weights; "auto": sharded under FSDP2, whole otherwise.
     checkpoint_format: str = "auto"
+    # Fine-tuning: start a new run from this checkpoint's weights, model config and tokenizer
+    # (e.g. a dense model converted by `mod convert`), training "all" parameters or only the
+    # "routers" (and predictors); `distill` > 0 adds that weight times KL(frozen dense teacher ||
+    # model); `capacity_warmup` steps take the capacity from 1.0 down to the model's.
+    init_from: str | None = None
+    tune: str = "all"
+    distill: float = 0.0
+    capacity_warmup: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self, TRAIN_RANGES)
@@ -118,6 +127,8 @@ class TrainConfig:
         for name in ("out", "device"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.init_from is not None and not isinstance(self.init_from, str):
+            raise ValueError(f"init_from must be a checkpoint path or None, got {self.init_from!r}")
         if self.data is not None and not isinstance(self.data, str):
             raise ValueError(f"data must be a path (a string) or None, got {self.data!r}")
         if not isinstance(self.compile, bool):
@@ -130,6 +141,7 @@ TRAIN_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "float64"),
     "parallel": ("auto", "ddp", "fsdp"),
     "checkpoint_format": ("auto", "whole", "sharded"),
+    "tune": ("all", "routers"),
 }
 
 # The allowed range of every numeric field, checked in one place (`checks.check_fields`).
@@ -148,6 +160,8 @@ TRAIN_RANGES: dict[str, Range] = {
     "beta1": Range(lo=0, hi=1, hi_open=True),
     "beta2": Range(lo=0, hi=1, hi_open=True),
     "grad_clip": NONNEGATIVE,  # 0 disables clipping
+    "distill": NONNEGATIVE,
+    "capacity_warmup": NONNEGATIVE_INT,
 }
 
 
@@ -317,6 +331,10 @@ _RESUME_FIXED = (
     "grad_clip",
     "seed",
     "dtype",
+    "init_from",
+    "tune",
+    "distill",
+    "capacity_warmup",
 )
 
 
@@ -544,12 +562,17 @@ def _start(
             model, model_config = load_model(ckpt, map_location=device)
             _refuse_nonfinite(ckpt, nonfinite_tensors(model_tensors(model)))
         tokenizer = load_tokenizer(ckpt)
-    elif has_checkpoint(out_dir) and not overwrite:
+    elif tc.init_from is not None:  # a new run from another run's weights
+        start = resolve_checkpoint(tc.init_from)
+        model, model_config = load_model(start, map_location=device)
+        _refuse_nonfinite(start, nonfinite_tensors(model_tensors(model)))
+        tokenizer = load_tokenizer(start)
+    if has_checkpoint(out_dir) and not overwrite and not resume:
         raise ValueError(
             f"{out_dir} already holds a run with a checkpoint: resume it (--resume), start over "
             "(--overwrite), or pick another --out"
         )
-    elif any((out_dir / name).exists() for name in RUN_FILES) and not overwrite:
+    elif any((out_dir / name).exists() for name in RUN_FILES) and not overwrite and not resume:
         raise _no_checkpoint(out_dir)
     torch.manual_seed(tc.seed)
     if not env.is_main:  # rank 0 fills the token cache first; the others then read it
@@ -566,7 +589,12 @@ def _start(
             "or edited files?): a resumed run would read other tokens at the same step"
         )
     assert model_config is not None
-    if model_config.vocab_size != tokenizer.vocab_size:
+    if tc.init_from is not None and not resume and tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(
+            f"{tc.init_from}: its tokenizer has {tokenizer.vocab_size} tokens, its model only "
+            f"{model_config.vocab_size}"
+        )
+    if model_config.vocab_size != tokenizer.vocab_size and tc.init_from is None:
         if resume:
             raise ValueError(
                 f"checkpoint vocab_size {model_config.vocab_size} does not match its "
@@ -578,9 +606,11 @@ def _start(
         raise ValueError(
             f"seq_len {seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
         )
-    if not resume:
+    if not resume and tc.init_from is None:
         model = MoDTransformer(model_config).to(device)
     model = model.to(getattr(torch, tc.dtype)).train()
+    if tc.tune == "routers":
+        freeze_all_but_routers(model)
     parallel = D.choose_parallel(env, tc.parallel, model, device)
     if parallel == "fsdp":  # shard in place before the optimizer sees the parameters
         D.shard(model, env, device)
@@ -636,7 +666,7 @@ def _start(
         log=log,
         start_step=start_step,
         elapsed=float(trainer_state.get("elapsed_s", 0.0)) if trainer_state else 0.0,
-        step_fn=_step_module(model, tc, env, device, parallel),
+        step_fn=_step_module(_with_teacher(model, tc, device), tc, env, device, parallel),
         saved_step=start_step,
         env=env,
         parallel=parallel,
@@ -649,6 +679,18 @@ def _start(
     for name, param in model.named_parameters():
         (run.predictor_params if ".predictor." in name else run.lm_params).append(param)
     return run
+
+
+def _with_teacher(model: MoDTransformer, tc: TrainConfig, device: torch.device) -> Any:
+    """The model, or with `distill` the model and its frozen dense teacher (the dense twin of
+    the checkpoint the run started from: the original model, however far training has moved)."""
+    if tc.distill == 0:
+        return model
+    if tc.init_from is None:
+        raise ValueError("distill needs a teacher: start from a checkpoint (init_from)")
+    start, _ = load_model(resolve_checkpoint(tc.init_from), map_location=device)
+    teacher = dense_teacher(start.to(getattr(torch, tc.dtype)))
+    return Distilled(model, teacher, tc.distill)
 
 
 def _refuse_nonfinite(ckpt: Path, bad: list[str]) -> None:
@@ -689,6 +731,8 @@ def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
     lr = lr_at(step, tc)
     for group in run.opt.param_groups:
         group["lr"] = lr
+    if tc.capacity_warmup:
+        set_capacity(run.model, capacity_at(step, run.model_config.capacity, tc.capacity_warmup))
     x, y = run.sampler.next_batch()
     rows = D.local_rows(run.env, tc.batch_size)
     x, y = x[rows].to(run.device, non_blocking=True), y[rows].to(run.device, non_blocking=True)
@@ -734,6 +778,7 @@ def _mean_output(outs: list[MoDOutput]) -> MoDOutput:
         lm_loss=mean("lm_loss"),
         aux_loss=mean("aux_loss"),
         moe_loss=mean("moe_loss"),
+        distill_loss=mean("distill_loss"),
     )
 
 
@@ -784,6 +829,10 @@ def _log_step(
     losses["aux_loss"] = out.aux_loss.item()
     if out.moe_loss is not None:
         losses["moe_loss"] = out.moe_loss.item()
+    if out.distill_loss is not None:
+        losses["distill_loss"] = out.distill_loss.item()
+    if run.tc.capacity_warmup:
+        losses["capacity"] = run.model.config.capacity
     if out.expert_routes:
         losses["expert_share"] = expert_slot_shares(out)
     rec = {
@@ -807,6 +856,7 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
     """Validation in both routing modes, logged, then an atomic checkpoint; the time this takes
     is kept out of the tokens/s window."""
     t0 = time.perf_counter()
+    set_capacity(run.model, run.model_config.capacity)  # evaluate and save at the target
     ev = _evaluate(run)
     losses = (ev["val_loss_topk"], ev["val_loss_causal"])
     if not all(math.isfinite(v) for v in losses):
