@@ -280,10 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plan",
         default="isoflop",
-        choices=["isoflop", "mode", "kv"],
+        choices=["isoflop", "mode", "kv", "convert"],
         help="isoflop: MoD against dense over sizes, with ablations; mode: dense, MoD, MoE, MoE "
         "with dropping, staged and integrated MoDE; kv: the KV strategies (skipped_kv none and "
-        "residual) at two capacities and two lengths (default: %(default)s)",
+        "residual) at two capacities and two lengths; convert: a pretrained dense model "
+        "converted to MoD, untrained, router-tuned, distilled, fully fine-tuned (docs/convert; "
+        "needs the [hf] extra) (default: %(default)s)",
     )
     p.add_argument(
         "--out",
@@ -542,6 +544,16 @@ def cmd_study(args: argparse.Namespace) -> int:
     from .study_kv import PLAN as KV
     from .study_mode import PLAN as MODE
 
+    if args.plan == "convert":
+        from .study_convert import OUT
+        from .study_convert import run as convert_study
+
+        results = convert_study(
+            args.out, args.work, args.quick, args.data, progress=not args.no_progress
+        )
+        out = args.out or (OUT + ("-quick" if args.quick else ""))
+        print(f"{len(results)} models in {out}/results.jsonl; report: {out}/report.md")
+        return 0
     plan = {"isoflop": ISOFLOP, "mode": MODE, "kv": KV}[args.plan]
     results = study(
         args.out,

@@ -1,0 +1,267 @@
+"""`mod study --plan convert`: what a user gets by converting a pretrained dense model to MoD.
+
+A dense model trained by us (`small-dense` on the default corpus, the default job's 600 steps)
+is exported to the Llama layout with transformers (`mod export --llama`) and converted back to
+MoD (`mod convert`: every other block routed, the straight-through gate) at capacities 0.5, 0.25
+and 0.125. At each capacity, four models:
+
+- **converted**: the routers untrained (as initialised);
+- **routers**: routers and predictors tuned for `tune_steps`, the rest frozen (`mod tune-routers`,
+  capacity warm-up from 1.0 over the first third);
+- **routers + distill**: the same with distillation from the frozen dense model (weight 1);
+- **full**: every parameter fine-tuned for the same steps from the converted weights;
+
+and, as the fair baseline for the fine-tuned ones, the dense model trained the same steps more
+at the full fine-tune's learning rate (**dense + ft**).
+
+Each is evaluated on the same validation batches in causal routing (what generation does; top-k
+beside it) and timed decoding beside the dense original (`study_kv.decode_speeds`: one thread,
+prompts of half the context, greedy, the median of interleaved rounds), with nothing else of the
+study running. Every step is resumable: a finished one is in ``results.jsonl``; the models live
+in the work folder until the report is written.
+
+Learning rates: routers 3e-3 (new parameters), full fine-tune 3e-4 (pretrained weights, a tenth
+of the dense run's peak); both with the warm-up and cosine of `TrainConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .fileio import atomic_write_text, json_text
+
+CAPACITIES = (0.5, 0.25, 0.125)
+VARIANTS = ("converted", "routers", "routers+distill", "full")
+OUT = "docs/convert"
+WORK = "runs/study-convert"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    preset: str = "small-dense"
+    dense_steps: int = 600
+    tune_steps: int = 300
+    batch_size: int = 16
+    eval_batches: int = 8
+    router_lr: float = 3e-3
+    full_lr: float = 3e-4
+
+
+QUICK = Settings("tiny-dense", 12, 6, 4, 1)
+
+
+def _tag(c: float) -> str:
+    return f"c{round(c * 1000):04d}"
+
+
+def _load(path: Path) -> dict[str, dict[str, Any]]:
+    from .study import load_results
+
+    return {r["name"]: r for r in load_results(path)} if path.exists() else {}
+
+
+def run(
+    out: str | Path | None = None,
+    work: str | Path | None = None,
+    quick: bool = False,
+    data: str | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    from .checkpoint import resolve_checkpoint
+    from .config import MoDConfig
+    from .convert import convert_folder
+    from .hf import export_llama
+    from .train import TrainConfig, evaluate_checkpoint, has_checkpoint, train
+
+    s = QUICK if quick else Settings()
+    out = Path(out or (OUT + ("-quick" if quick else "")))
+    work = Path(work or (WORK + ("-quick" if quick else "")))
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    path = out / "results.jsonl"
+    done = _load(path)
+
+    def record(name: str, **fields: Any) -> None:
+        done[name] = {"name": name, **fields}
+        atomic_write_text(path, "".join(json_text(r, indent=None) + "\n" for r in done.values()))
+
+    def evaluate(ckpt: Path) -> dict[str, Any]:
+        ev = evaluate_checkpoint(ckpt, data, s.eval_batches, s.batch_size)
+        keep = ("val_loss_topk", "val_loss_causal", "routing_accuracy", "causal_take_rate")
+        return {k: ev[k] for k in keep if k in ev}
+
+    common = dict(data=data, batch_size=s.batch_size, eval_batches=s.eval_batches)
+    dense_dir = work / "dense"
+    if "dense" not in done:
+        resume = has_checkpoint(dense_dir)
+        tc = TrainConfig(
+            out=str(dense_dir), steps=s.dense_steps, eval_every=s.dense_steps, **common
+        )
+        cfg = None if resume else MoDConfig.preset(s.preset)
+        train(cfg, tc, resume=resume, overwrite=not resume, progress=progress)
+        record("dense", variant="dense", capacity=1.0, **evaluate(dense_dir / "checkpoint"))
+    if "dense+ft" not in done:  # the fair baseline: the dense model trained the same steps more
+        run_dir = work / "dense+ft"
+        resume = has_checkpoint(run_dir)
+        tc = TrainConfig(
+            out=str(run_dir), init_from=str(dense_dir / "checkpoint"), steps=s.tune_steps,
+            eval_every=s.tune_steps, warmup_steps=max(1, s.tune_steps // 10), lr=s.full_lr,
+            **common,
+        )  # fmt: skip
+        train(None, tc, resume=resume, overwrite=not resume, progress=progress)
+        record("dense+ft", variant="dense+ft", capacity=1.0, **evaluate(run_dir / "checkpoint"))
+    llama = work / "dense-llama"
+    if not llama.exists():
+        export_llama(dense_dir / "checkpoint", llama)
+    for c in CAPACITIES:
+        conv = work / f"converted-{_tag(c)}"
+        if not conv.exists():
+            convert_folder(llama, conv, "DR", c)
+        if f"converted-{_tag(c)}" not in done:
+            record(f"converted-{_tag(c)}", variant="converted", capacity=c, **evaluate(conv))
+        tunes = {
+            "routers": dict(tune="routers", lr=s.router_lr),
+            "routers+distill": dict(tune="routers", lr=s.router_lr, distill=1.0),
+            "full": dict(tune="all", lr=s.full_lr),
+        }
+        for variant, kw in tunes.items():
+            name = f"{variant}-{_tag(c)}"
+            if name in done:
+                continue
+            run_dir = work / name
+            resume = has_checkpoint(run_dir)
+            tc = TrainConfig(
+                out=str(run_dir), init_from=str(resolve_checkpoint(conv)), steps=s.tune_steps,
+                eval_every=s.tune_steps, capacity_warmup=s.tune_steps // 3,
+                warmup_steps=max(1, s.tune_steps // 10), **common, **kw,
+            )  # fmt: skip
+            train(None, tc, resume=resume, overwrite=not resume, progress=progress)
+            record(name, variant=variant, capacity=c, **evaluate(run_dir / "checkpoint"))
+    if not all("decode_tok_s_b1" in r for n, r in done.items() if n != "dense+ft"):
+        measure_decode(done, work, data, record)
+    results = list(done.values())
+    write_report(results, out, s)
+    return results
+
+
+def _ckpt(work: Path, name: str) -> Path:
+    return work / name if name.startswith("converted") else work / name / "checkpoint"
+
+
+def measure_decode(
+    done: dict[str, dict[str, Any]], work: Path, data: str | None, record: Any
+) -> None:
+    """Decode tokens/s of every model beside the dense original, one capacity at a time (the
+    dense model timed in each group, so every ratio is of models timed side by side)."""
+    from .checkpoint import load_config
+    from .study_kv import decode_speeds
+
+    seq_len = load_config(work / "dense" / "checkpoint").max_seq_len
+    dense = {k: v for k, v in done["dense"].items() if k != "name"}
+    for c in CAPACITIES:
+        names = [f"{v}-{_tag(c)}" for v in VARIANTS]
+        ckpts = {"dense": work / "dense" / "checkpoint", **{n: _ckpt(work, n) for n in names}}
+        speeds = decode_speeds(ckpts, seq_len, data)
+        ref = speeds["dense"]
+        for n in names:
+            fields = {k: v for k, v in done[n].items() if k != "name"}
+            fields.update(speeds[n])
+            for b in (1, 8):
+                fields[f"speedup_b{b}"] = (
+                    speeds[n][f"decode_tok_s_b{b}"] / ref[f"decode_tok_s_b{b}"]
+                )
+            record(n, **fields)
+        dense.setdefault("decode_by_group", {})[_tag(c)] = ref
+        for k, v in ref.items():
+            dense.setdefault(k, v)
+    record("dense", **dense)
+
+
+def write_report(results: list[dict[str, Any]], out: Path, s: Settings) -> None:
+    by = {r["name"]: r for r in results}
+    dense = by.get("dense", {})
+    base = dense.get("val_loss_causal")
+    lines = [
+        "# Converting a pretrained dense model to MoD",
+        "",
+        f"`mod study --plan convert`: `{s.preset}` trained {s.dense_steps} steps on the default "
+        f"corpus, exported to the Llama layout, converted back to MoD (every other block routed) "
+        f"and tuned {s.tune_steps} steps (routers lr {s.router_lr}, full fine-tune lr "
+        f"{s.full_lr}, batch {s.batch_size}). Validation: {s.eval_batches} batches, causal "
+        "routing (generation's) and top-k. Decode: tokens/s at batch 1 and 8 beside the dense "
+        "original, one thread, the median of interleaved rounds.",
+        "",
+        "| capacity | model | val loss causal | vs dense | val loss top-k | decode b1 tok/s | "
+        "speed-up b1 | speed-up b8 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    if dense:
+        lines.append(
+            f"| 1.0 | dense original | {dense['val_loss_causal']:.4f} | | "
+            f"{dense['val_loss_topk']:.4f} | {dense.get('decode_tok_s_b1', float('nan')):,.0f} "
+            "| 1.00x | 1.00x |"
+        )
+    ft = by.get("dense+ft")
+    if ft and base is not None:
+        lines.append(
+            f"| 1.0 | dense + {s.tune_steps} steps | {ft['val_loss_causal']:.4f} | "
+            f"{ft['val_loss_causal'] - base:+.4f} | {ft['val_loss_topk']:.4f} | | | |"
+        )
+    for c in CAPACITIES:
+        for v in VARIANTS:
+            r = by.get(f"{v}-{_tag(c)}")
+            if r is None:
+                continue
+            gap = f"{r['val_loss_causal'] - base:+.4f}" if base is not None else ""
+            nan = float("nan")
+            speed = (r.get("decode_tok_s_b1", nan), r.get("speedup_b1", nan))
+            lines.append(
+                f"| {c} | {v} | {r['val_loss_causal']:.4f} | {gap} | {r['val_loss_topk']:.4f} | "
+                f"{speed[0]:,.0f} | {speed[1]:.2f}x | {r.get('speedup_b8', nan):.2f}x |"
+            )
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    _plot(results, out)
+
+
+def _plot(results: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = {"converted": "x", "routers": "o", "routers+distill": "s", "full": "^"}
+    colors = dict(zip(CAPACITIES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+    for r in results:
+        if "speedup_b1" not in r:
+            continue
+        ax.scatter(r["speedup_b1"], r["val_loss_causal"], marker=markers[r["variant"]],
+                   color=colors[r["capacity"]], s=50)  # fmt: skip
+    dense = next((r for r in results if r["name"] == "dense"), None)
+    if dense:
+        ax.scatter(1.0, dense["val_loss_causal"], marker="*", color="black", s=150)
+    ft = next((r for r in results if r["name"] == "dense+ft"), None)
+    if ft:
+        ax.scatter(1.0, ft["val_loss_causal"], marker="P", color="black", s=80)
+        ax.scatter([], [], marker="P", color="black", label="dense + same steps")
+    for v, m in markers.items():
+        ax.scatter([], [], marker=m, color="gray", label=v)
+    for c, col in colors.items():
+        ax.scatter([], [], marker="o", color=col, label=f"capacity {c}")
+    ax.scatter([], [], marker="*", color="black", label="dense original")
+    ax.set_xlabel("decode speed-up vs dense (batch 1)")
+    ax.set_ylabel("validation loss, causal routing (nats/token)")
+    ax.set_title("Pretrained dense -> MoD: speed against loss")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    tmp = out / ".convert.png.tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(out / "convert.png")
+
+
+def clean(work: Path) -> None:
+    shutil.rmtree(work, ignore_errors=True)
