@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import mixture_of_depths.study as st
 from mixture_of_depths import MoDConfig
@@ -187,3 +188,47 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
     assert "at the same steps" in report  # the pair's training loss on the same batches
     cells = json.loads((out / "findings.json").read_text())["cells"]
     assert [c["seq_len"] for c in cells] == [32, 64] and all(c["pairs"] for c in cells)
+
+
+def test_convert_plan_trains_each_variant_and_times_it_beside_dense(tiny, tmp_path, monkeypatch):
+    """`mod study --plan convert` cut down: the dense model goes through the Llama layout and
+    back at each capacity; the untrained conversion keeps the dense weights, router tuning
+    changes only routers and predictors, the full fine-tune changes the rest; every MoD model is
+    timed beside the dense original and the report lists each."""
+    pytest.importorskip("transformers", minversion="5")
+    import mixture_of_depths.study_convert as sc
+    import mixture_of_depths.study_kv as sk
+    from mixture_of_depths.checkpoint import load_model
+    from mixture_of_depths.tune import is_router_param
+
+    _, data = tiny
+    monkeypatch.setattr(sc, "QUICK", sc.Settings("tiny-dense", 3, 2, 2, 1))
+    monkeypatch.setattr(sk, "DECODE_ROUNDS", 1)
+    out, work = tmp_path / "convert", tmp_path / "work"
+    results = sc.run(out, work, quick=True, data=data, progress=False)
+    names = {r["name"] for r in results}
+    want = {f"{v}-{sc._tag(c)}" for v in sc.VARIANTS for c in sc.CAPACITIES}
+    assert names == want | {"dense", "dense+ft"}
+    dense = load_model(work / "dense" / "checkpoint")[0].state_dict()
+    for c in sc.CAPACITIES:
+        tag = sc._tag(c)
+        conv = load_model(work / f"converted-{tag}")[0]
+        assert conv.config.capacity == c and conv.config.router_gate == "straight_through"
+        states = {v: load_model(sc._ckpt(work, f"{v}-{tag}"))[0].state_dict() for v in sc.VARIANTS}
+        for k, v in dense.items():  # the conversion kept every dense weight, bit for bit
+            assert torch.equal(states["converted"][k], v), k
+            assert torch.equal(states["routers"][k], v), k
+        assert any(not torch.equal(states["full"][k], v) for k, v in dense.items())
+        assert any(
+            not torch.equal(states["routers"][k], states["converted"][k])
+            for k in states["converted"] if is_router_param(k)
+        )  # fmt: skip
+    for r in results:
+        if r["name"] not in ("dense", "dense+ft"):
+            assert r["decode_tok_s_b1"] > 0 and r["speedup_b8"] > 0
+    report = (out / "report.md").read_text()
+    assert report.count("| 0.125 |") == 4 and "dense original" in report
+    assert (out / "convert.png").stat().st_size > 0
+    # Resumable: a second call trains nothing and measures nothing again.
+    again = sc.run(out, work, quick=True, data=data, progress=False)
+    assert again == results
