@@ -17,9 +17,11 @@ from mixture_of_depths.cli import main
 from mixture_of_depths.convert import UnsupportedModel, convert, mod_config
 from mixture_of_depths.data import BPETokenizer, ByteTokenizer, load_tokenizer
 
-transformers = pytest.importorskip("transformers", minversion="5")
 
-from mixture_of_depths.hf import hf_tokenizer  # noqa: E402
+def needs_transformers():  # noqa: ANN201
+    """transformers (the [hf] extra) for the tests that build its models; the rest run without."""
+    return pytest.importorskip("transformers", minversion="5")
+
 
 SHAPE = dict(
     vocab_size=ByteTokenizer.vocab_size, hidden_size=32, intermediate_size=64,
@@ -31,6 +33,7 @@ SHAPE = dict(
 def dense_hf(kind: str, tie: bool, **kw) -> torch.nn.Module:
     """A random tiny Llama or Mistral, its weights spread wider than at init (std 0.02 would
     leave logits near zero, where a wrong mapping could hide)."""
+    transformers = needs_transformers()
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[kind]
     extra = {"sliding_window": None} if kind == "mistral" else {}
     cfg = cls(**{**SHAPE, "tie_word_embeddings": tie, **extra, **kw})
@@ -49,6 +52,7 @@ def tokens(T: int = 40) -> torch.Tensor:
     return torch.randint(0, SHAPE["vocab_size"], (2, T), generator=torch.Generator().manual_seed(3))
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_converted_at_full_capacity_gives_the_original_logits(kind, tie):
@@ -84,9 +88,13 @@ def test_the_straight_through_gate_is_one_forward_and_trains_the_router():
     assert router.grad is not None and router.grad.abs().max() > 0
 
 
+@pytest.mark.hf
 def test_convert_through_folders_and_the_cli(tmp_path, capsys):
     """A Llama folder as transformers writes it (weights, config, a tokenizer) converted by
     `mod convert`; our dense model exported by `mod export --llama` and read by transformers."""
+    transformers = needs_transformers()
+    from mixture_of_depths.hf import hf_tokenizer
+
     hf = dense_hf("llama", tie=False)
     src = tmp_path / "llama"
     hf.save_pretrained(src)

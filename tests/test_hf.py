@@ -13,6 +13,8 @@ from mixture_of_depths import generate
 
 transformers = pytest.importorskip("transformers", minversion="5")
 
+pytestmark = pytest.mark.hf
+
 from mixture_of_depths.hf import MoDCache, MoDForCausalLM, MoDHFConfig  # noqa: E402
 
 PROMPTS = [[5, 7, 9, 11, 3, 4, 12], [1, 2], [8, 8, 8, 30]]

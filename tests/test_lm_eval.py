@@ -9,6 +9,8 @@ import torch
 from helpers import make_model, tiny_config
 
 pytest.importorskip("transformers", minversion="5")
+
+pytestmark = pytest.mark.hf
 pytest.importorskip("accelerate")
 lm_eval_hf = pytest.importorskip("lm_eval.models.huggingface")
 

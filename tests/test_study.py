@@ -190,6 +190,7 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
     assert [c["seq_len"] for c in cells] == [32, 64] and all(c["pairs"] for c in cells)
 
 
+@pytest.mark.hf
 def test_convert_plan_trains_each_variant_and_times_it_beside_dense(tiny, tmp_path, monkeypatch):
     """`mod study --plan convert` cut down: the dense model goes through the Llama layout and
     back at each capacity; the untrained conversion keeps the dense weights, router tuning
