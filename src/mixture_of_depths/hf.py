@@ -180,7 +180,6 @@ class MoDForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["DenseBlock", "RoutedBlock"]
-    _supports_cache_class = True
 
     def __init__(self, config: MoDHFConfig, model: MoDTransformer | None = None) -> None:
         super().__init__(config)
