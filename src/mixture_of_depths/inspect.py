@@ -1,0 +1,184 @@
+"""Where the compute went, token by token: the numbers behind `mod inspect`.
+
+`analyse(model, tokens)` runs one forward pass in causal routing (what generation does) and one in
+top-k routing over the same rows and reports, per token, which routed (sub-)blocks it took, the
+router weights, the model's predictive entropy and its loss; and over all tokens:
+
+- the histogram of blocks taken per token, beside the histogram routing would give if each
+  router flipped an independent coin at its own take-rate (a Poisson-binomial distribution);
+- the longest run of consecutive skipped routers of each token (in layer order), its
+  distribution, and the mean loss by run length;
+- Spearman's rho of blocks taken against entropy and against loss, with percentile bootstrap
+  intervals over tokens;
+- how often the causal decision and top-k agree, per router.
+
+Everything is computed with torch on the host; no plotting here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .model import MoDTransformer
+from .routing import Route
+
+
+@dataclass
+class Report:
+    """`analyse`'s result. Per-token arrays are flattened over the rows, (N, ...)."""
+
+    router_names: list[str]
+    tokens: Tensor  # (N,) ids
+    taken: Tensor  # (N, R) bool, causal routing
+    taken_topk: Tensor  # (N, R) bool, top-k routing
+    weights: Tensor  # (N, R) router logits r (causal pass)
+    entropy: Tensor  # (N,) predictive entropy (nats) of the causal pass
+    loss: Tensor  # (N,) next-token loss (nats); NaN where a row has no next token
+    depth_hist: Tensor  # (R + 1,) tokens that took 0..R routers
+    independent_hist: Tensor  # (R + 1,) expected counts under independent per-router coins
+    longest_skip: Tensor  # (N,) longest run of consecutive skipped routers
+    agreement: dict[str, float] = field(default_factory=dict)  # causal == top-k, per router
+    take_rate: dict[str, float] = field(default_factory=dict)  # causal, per router
+    correlations: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def depth(self) -> Tensor:
+        return self.taken.sum(-1)
+
+
+def poisson_binomial(p: Tensor) -> Tensor:
+    """P(sum = k), k = 0..len(p), of independent Bernoulli(p_i): the exact convolution."""
+    dist = torch.ones(1, dtype=torch.float64)
+    for pi in p.to(torch.float64):
+        dist = torch.cat([dist * (1 - pi), dist.new_zeros(1)]) + torch.cat(
+            [dist.new_zeros(1), dist * pi]
+        )
+    return dist
+
+
+def longest_run(skipped: Tensor) -> Tensor:
+    """(N, R) bool -> (N,) the longest run of consecutive True along the last axis."""
+    run = torch.zeros(skipped.shape[0], dtype=torch.long)
+    best = torch.zeros_like(run)
+    for j in range(skipped.shape[1]):
+        run = torch.where(skipped[:, j], run + 1, torch.zeros_like(run))
+        best = torch.maximum(best, run)
+    return best
+
+
+def ranks(x: Tensor) -> Tensor:
+    """Ranks 1..n of `x` (1-D), ties given their average rank (as Spearman's rho needs)."""
+    x = x.to(torch.float64)
+    order = torch.argsort(x, stable=True)
+    _, inverse, counts = torch.unique_consecutive(x[order], return_inverse=True, return_counts=True)
+    start = torch.cumsum(counts, 0) - counts  # 0-based first place of each tied group
+    avg = start.to(torch.float64) + (counts.to(torch.float64) + 1) / 2
+    r = torch.empty_like(x)
+    r[order] = avg[inverse]
+    return r
+
+
+def spearman(x: Tensor, y: Tensor) -> float:
+    """Spearman's rho: Pearson's correlation of the (average) ranks; NaN if either is constant."""
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = (rx.square().sum() * ry.square().sum()).sqrt()
+    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
+def bootstrap_spearman(
+    x: Tensor, y: Tensor, n: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict[str, float]:
+    """rho, and the percentile bootstrap interval over resampled (x, y) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    rho = spearman(x, y)
+    draws = []
+    for _ in range(n):
+        idx = torch.randint(0, len(x), (len(x),), generator=g)
+        v = spearman(x[idx], y[idx])
+        if v == v:  # a resample of constant values has no rho
+            draws.append(v)
+    if not draws:
+        return {"rho": rho, "low": float("nan"), "high": float("nan"), "n": len(x)}
+    d = torch.tensor(draws, dtype=torch.float64)
+    a = (1 - level) / 2
+    low, high = torch.quantile(d, torch.tensor([a, 1 - a], dtype=torch.float64)).tolist()
+    return {"rho": rho, "low": low, "high": high, "n": len(x)}
+
+
+def _table(routes: list[Route]) -> tuple[list[str], Tensor, Tensor]:
+    names = [r.name for r in routes]
+    taken = torch.stack([r.mask.cpu() for r in routes], -1)  # (B, T, R)
+    weights = torch.stack([r.logits.detach().float().cpu() for r in routes], -1)
+    return names, taken, weights
+
+
+@torch.no_grad()
+def analyse(model: MoDTransformer, tokens: Tensor, bootstrap: int = 1000, seed: int = 0) -> Report:
+    """The routing of `tokens` ((T,) or (B, T) ids, each row a held-out stretch) through `model`
+    (see the module docstring)."""
+    idx = tokens[None] if tokens.dim() == 1 else tokens
+    was = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        idx = idx.to(device)
+        causal = model(idx, routing="causal")
+        topk = model(idx, routing="topk")
+    finally:
+        model.train(was)
+    if not causal.routes:
+        raise ValueError("the model has no routed blocks: nothing to inspect")
+    names, taken, weights = _table(causal.routes)
+    _, taken_topk, _ = _table(topk.routes)
+    B, T, R = taken.shape
+    logits = causal.logits.float().cpu()
+    logp = logits.log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)  # (B, T)
+    loss = torch.full((B, T), float("nan"))
+    nxt = idx[:, 1:].cpu()
+    loss[:, :-1] = -logp[:, :-1].gather(-1, nxt[..., None])[..., 0]
+    flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731
+    taken, taken_topk, weights = flat(taken), flat(taken_topk), flat(weights)
+    entropy, loss = flat(entropy), flat(loss)
+    depth = taken.sum(-1)
+    rates = taken.double().mean(0)
+    same = (taken == taken_topk).double().mean(0)
+    n = B * T
+    report = Report(
+        router_names=names,
+        tokens=flat(idx.cpu()),
+        taken=taken,
+        taken_topk=taken_topk,
+        weights=weights,
+        entropy=entropy,
+        loss=loss,
+        depth_hist=torch.bincount(depth, minlength=R + 1),
+        independent_hist=poisson_binomial(rates) * n,
+        longest_skip=longest_run(~taken),
+        agreement={nm: float(same[j]) for j, nm in enumerate(names)},
+        take_rate={nm: float(rates[j]) for j, nm in enumerate(names)},
+    )
+    has_next = ~loss.isnan()
+    d = depth.double()
+    report.correlations = {
+        "depth_vs_entropy": bootstrap_spearman(d, entropy.double(), bootstrap, seed),
+        "depth_vs_loss": bootstrap_spearman(d[has_next], loss[has_next].double(), bootstrap, seed),
+    }
+    return report
+
+
+def loss_by_run(report: Report) -> dict[int, dict[str, float]]:
+    """Per longest-skip-run length: how many tokens and their mean loss (tokens with a next)."""
+    out = {}
+    ok = ~report.loss.isnan()
+    for k in sorted(set(report.longest_skip.tolist())):
+        sel = (report.longest_skip == k) & ok
+        out[k] = {
+            "tokens": int((report.longest_skip == k).sum()),
+            "mean_loss": float(report.loss[sel].mean()) if sel.any() else float("nan"),
+        }
+    return out

@@ -1,0 +1,105 @@
+"""`mixture_of_depths.inspect.analyse` and its statistics, against oracles: the routes of a
+forward pass, brute-force enumeration (the independence baseline), hand-made routings, the
+closed form of Spearman's rho without ties (and scipy's, where installed)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from helpers import make_model, random_tokens, tiny_config
+
+from mixture_of_depths.inspect import (
+    analyse,
+    bootstrap_spearman,
+    longest_run,
+    loss_by_run,
+    poisson_binomial,
+    ranks,
+    spearman,
+)
+
+
+def test_counts_are_the_routes_of_a_forward_pass():
+    model = make_model(tiny_config())
+    x = random_tokens(3, 40, seed=2)
+    rep = analyse(model, x, bootstrap=50)
+    with torch.no_grad():
+        causal = model(x, routing="causal")
+        topk = model(x, routing="topk")
+    want = torch.stack([r.mask for r in causal.routes], -1).reshape(3 * 40, -1)
+    assert torch.equal(rep.taken, want)
+    assert torch.equal(
+        rep.taken_topk, torch.stack([r.mask for r in topk.routes], -1).reshape(120, -1)
+    )
+    k = model.config.capacity_tokens(40)
+    assert (rep.taken_topk.reshape(3, 40, -1).sum(1) == k).all()  # top-k: exactly k per row
+    assert rep.depth_hist.sum() == 120 and torch.equal(
+        rep.depth_hist, torch.bincount(rep.depth, minlength=len(rep.router_names) + 1)
+    )
+    assert math.isclose(float(rep.independent_hist.sum()), 120, rel_tol=1e-9)
+    logp = causal.logits.double().log_softmax(-1).reshape(120, -1)
+    nxt = x[:, 1:].reshape(-1)
+    has = torch.ones(3, 40, dtype=torch.bool)
+    has[:, -1] = False
+    has = has.reshape(-1)
+    torch.testing.assert_close(
+        rep.loss[has].double(), -logp[has].gather(-1, nxt[:, None])[:, 0], rtol=1e-5, atol=1e-5
+    )
+    assert rep.loss[~has].isnan().all()
+    for name, rate in rep.take_rate.items():
+        j = rep.router_names.index(name)
+        assert rate == pytest.approx(rep.taken[:, j].double().mean().item())
+    runs = loss_by_run(rep)
+    assert sum(v["tokens"] for v in runs.values()) == 120
+
+
+def test_the_independence_baseline_is_the_poisson_binomial():
+    assert torch.allclose(
+        poisson_binomial(torch.tensor([0.5, 0.5])),
+        torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64),
+    )
+    assert torch.allclose(
+        poisson_binomial(torch.tensor([1.0, 0.0, 0.3])),
+        torch.tensor([0, 0.7, 0.3, 0], dtype=torch.float64),
+    )
+    p = torch.rand(5, generator=torch.Generator().manual_seed(0)).double()
+    brute = torch.zeros(6, dtype=torch.float64)
+    for bits in itertools.product((0, 1), repeat=5):
+        prob = 1.0
+        for b, pi in zip(bits, p.tolist(), strict=True):
+            prob *= pi if b else 1 - pi
+        brute[sum(bits)] += prob
+    torch.testing.assert_close(poisson_binomial(p), brute)
+
+
+def test_longest_skip_run_on_a_hand_made_routing():
+    skipped = torch.tensor(
+        [[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]], dtype=torch.bool
+    )
+    assert longest_run(skipped).tolist() == [2, 0, 4, 2]
+
+
+def test_spearman_against_the_closed_form_and_scipy():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(200, generator=g), torch.randn(200, generator=g)
+    y = x + y  # correlated, no ties
+    d = ranks(x) - ranks(y)
+    n = 200
+    assert spearman(x, y) == pytest.approx(
+        1 - 6 * float(d.square().sum()) / (n * (n * n - 1)), rel=1e-12
+    )
+    assert ranks(torch.tensor([3.0, 1, 2, 2, 5])).tolist() == [4, 1, 2.5, 2.5, 5]
+    assert math.isnan(spearman(torch.ones(5), torch.arange(5.0)))
+    ties = torch.randint(0, 4, (300,), generator=g).double()
+    noisy = ties + torch.randn(300, generator=g)
+    ci = bootstrap_spearman(ties, noisy, n=200, seed=0)
+    assert ci["low"] < ci["rho"] < ci["high"] and ci == bootstrap_spearman(
+        ties, noisy, n=200, seed=0
+    )
+    scipy_stats = pytest.importorskip("scipy.stats")
+    assert spearman(ties, noisy) == pytest.approx(
+        scipy_stats.spearmanr(ties, noisy).statistic, rel=1e-10
+    )
