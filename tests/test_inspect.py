@@ -103,3 +103,25 @@ def test_spearman_against_the_closed_form_and_scipy():
     assert spearman(ties, noisy) == pytest.approx(
         scipy_stats.spearmanr(ties, noisy).statistic, rel=1e-10
     )
+
+
+def test_token_classes_and_extremes_on_a_hand_made_routing():
+    from mixture_of_depths.inspect import Report, byte_class, class_table, extremes
+
+    assert [byte_class(ord(c)) for c in " 7a_(\n"] == [
+        "whitespace", "digits", "letters/identifiers", "letters/identifiers", "punctuation",
+        "whitespace",
+    ]  # fmt: skip
+    assert byte_class(200) == byte_class(256) == byte_class(7) == "other"
+    tokens = torch.tensor([ord(c) for c in "ab 1 ab"])
+    taken = torch.tensor([[1, 1], [1, 0], [0, 0], [1, 1], [0, 0], [1, 1], [1, 0]], dtype=torch.bool)
+    z = torch.zeros(7)
+    rep = Report(["1", "3"], tokens, taken, taken, z[:, None].expand(7, 2), z, z,
+                 torch.zeros(3), torch.zeros(3), torch.zeros(7, dtype=torch.long))  # fmt: skip
+    table = class_table(rep)
+    assert table["letters/identifiers"] == {"tokens": 4, "1": 1.0, "3": 0.5}
+    assert table["whitespace"] == {"tokens": 2, "1": 0.0, "3": 0.0}
+    assert table["digits"] == {"tokens": 1, "1": 1.0, "3": 1.0}
+    ex = extremes(rep, k=2, min_count=2)
+    assert ex["most"] == [(ord("a"), 2.0, 2), (ord("b"), 1.0, 2)]
+    assert ex["least"][0] == (ord(" "), 0.0, 2)

@@ -182,3 +182,55 @@ def loss_by_run(report: Report) -> dict[int, dict[str, float]]:
             "mean_loss": float(report.loss[sel].mean()) if sel.any() else float("nan"),
         }
     return out
+
+
+# -- by token class ------------------------------------------------------------------------------
+BYTE_CLASSES = ("whitespace", "punctuation", "digits", "letters/identifiers", "other")
+
+
+def byte_class(token: int) -> str:
+    """The class of a byte-tokenizer id: whitespace, punctuation, digits, letters and underscore
+    (identifiers), or other (non-ASCII bytes, control bytes, end-of-text)."""
+    if token >= 128:
+        return "other"
+    ch = chr(token)
+    if ch in " \t\n\r\f\v":
+        return "whitespace"
+    if ch.isdigit():
+        return "digits"
+    if ch.isalpha() or ch == "_":
+        return "letters/identifiers"
+    if ch.isprintable():
+        return "punctuation"
+    return "other"
+
+
+def class_table(report: Report) -> dict[str, dict[str, float]]:
+    """Byte tokenizer: per class, its tokens and the share of them each router took (causal)."""
+    classes = [byte_class(int(t)) for t in report.tokens.tolist()]
+    out = {}
+    for c in BYTE_CLASSES:
+        sel = torch.tensor([k == c for k in classes])
+        if sel.any():
+            shares = report.taken[sel].double().mean(0).tolist()
+            out[c] = {
+                "tokens": int(sel.sum()),
+                **dict(zip(report.router_names, shares, strict=True)),
+            }
+    return out
+
+
+def extremes(
+    report: Report, k: int = 10, min_count: int = 5
+) -> dict[str, list[tuple[int, float, int]]]:
+    """Any tokenizer (BPE): the `k` ids with the most and the least routers taken on average
+    (ids seen at least `min_count` times), as (id, mean blocks taken, count)."""
+    ids, inverse, counts = torch.unique(report.tokens, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, report.depth.double())
+    mean = sums / counts
+    ok = counts >= min_count
+    rows = [
+        (int(i), float(m), int(c)) for i, m, c, o in zip(ids, mean, counts, ok, strict=True) if o
+    ]
+    rows.sort(key=lambda r: (-r[1], r[0]))
+    return {"most": rows[:k], "least": rows[::-1][:k]}
