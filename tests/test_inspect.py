@@ -125,3 +125,22 @@ def test_token_classes_and_extremes_on_a_hand_made_routing():
     ex = extremes(rep, k=2, min_count=2)
     assert ex["most"] == [(ord("a"), 2.0, 2), (ord("b"), 1.0, 2)]
     assert ex["least"][0] == (ord(" "), 0.0, 2)
+
+
+def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
+    from mixture_of_depths.checkpoint import save_checkpoint
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import ByteTokenizer
+
+    model = make_model(tiny_config(vocab_size=257), dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    out = tmp_path / "inspect"
+    text = "def f(x):\n    return x + 1  # one\n" * 3
+    assert main(["inspect", str(ckpt), "--text", text, "--out", str(out)]) == 0
+    assert "rho depth~entropy" in capsys.readouterr().out
+    for name in ("routing.png", "depth_hist.png", "skip_runs.png", "entropy.png"):
+        assert (out / name).stat().st_size > 0
+    report = (out / "report.md").read_text()
+    assert f"{len(text)} held-out tokens" in report and "| letters/identifiers |" in report
+    assert main(["inspect", str(ckpt), "--text", "", "--out", str(out)]) == 2
+    assert "no tokens" in capsys.readouterr().err

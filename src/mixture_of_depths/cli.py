@@ -130,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(preset=None)
     _add_dataclass_flags(p, TrainConfig, skip={"init_from"}, choices=TRAIN_CHOICES)
 
+    p = sub.add_parser(
+        "inspect",
+        help="where the compute went, token by token: pictures and numbers",
+        description="Route held-out text through a checkpoint in causal and top-k routing and "
+        "write routing.png, depth_hist.png, skip_runs.png, entropy.png and report.md: blocks "
+        "taken per token against independent per-router coins, the longest runs of skipped "
+        "blocks and their loss, Spearman's rho of blocks taken against entropy and loss, and the "
+        "share routed by token class.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", default=None, help="text file or folder: its validation split "
+                     "(default: the run's data)")  # fmt: skip
+    src.add_argument("--text", default=None, help="inspect this text instead")
+    p.add_argument("--out", default=None, help="(default: <checkpoint>/../inspect)")
+    p.add_argument("--rows", type=int, default=8, help="held-out rows (default: 8)")
+    p.add_argument("--device", default="auto")
+
     p = sub.add_parser("eval", help="validation loss (top-k and causal) and routing accuracy")
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
     p.add_argument("--data", default=None, help="text file or folder (default: the run's data)")
@@ -655,6 +673,50 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_model, read_json_file, resolve_checkpoint
+    from .data import ByteTokenizer, eval_batches, load_splits, load_tokenizer
+    from .inspect import analyse, class_table, extremes, plot, report_md
+    from .train import resolve_device
+
+    if args.rows < 1:
+        raise ValueError(f"--rows must be >= 1, got {args.rows}")
+    ckpt = resolve_checkpoint(args.checkpoint)
+    model, cfg = load_model(ckpt, map_location=resolve_device(args.device))
+    tokenizer = load_tokenizer(ckpt)
+    if args.text is not None:
+        ids = tokenizer.encode(args.text)[: cfg.max_seq_len]
+        if not ids:
+            raise ValueError("--text encodes to no tokens: give some text")
+        tokens = torch.tensor([ids])
+    else:
+        data = args.data
+        if data is None and (ckpt / "trainer.json").exists():
+            data = read_json_file(ckpt / "trainer.json").get("train_config", {}).get("data")
+        val = load_splits(data, tokenizer)[1]
+        tokens = eval_batches(val, args.rows, cfg.max_seq_len, 1)[0][0]
+    report = analyse(model, tokens)
+    out = Path(args.out) if args.out else ckpt.parent / "inspect"
+    out.mkdir(parents=True, exist_ok=True)
+    plot(report, out, tokens.shape[1])
+    is_byte = isinstance(tokenizer, ByteTokenizer)
+    classes = class_table(report) if is_byte else None
+    extreme = None if is_byte else extremes(report)
+    text = report_md(report, classes, extreme, lambda i: repr(tokenizer.decode([i])))
+    from .fileio import atomic_write_text
+
+    atomic_write_text(out / "report.md", text)
+    c = report.correlations
+    print(
+        f"{out}: report.md, routing.png, depth_hist.png, skip_runs.png, entropy.png "
+        f"({len(report.tokens)} tokens; rho depth~entropy {c['depth_vs_entropy']['rho']:+.3f}, "
+        f"depth~loss {c['depth_vs_loss']['rho']:+.3f})"
+    )
+    return 0
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate_checkpoint, load_config, resolve_checkpoint
 
@@ -678,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
         "generate": cmd_generate,
         "consolidate": cmd_consolidate,
+        "inspect": cmd_inspect,
         "export": cmd_export,
         "convert": cmd_convert,
         "flops": cmd_flops,

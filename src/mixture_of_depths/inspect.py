@@ -18,6 +18,8 @@ Everything is computed with torch on the host; no plotting here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -234,3 +236,150 @@ def extremes(
     ]
     rows.sort(key=lambda r: (-r[1], r[0]))
     return {"most": rows[:k], "least": rows[::-1][:k]}
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+def _save(fig: object, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
+    tmp.replace(path)
+
+
+def plot(report: Report, out: Path, row_len: int, show: int = 96) -> list[Path]:
+    """routing.png, depth_hist.png, skip_runs.png and entropy.png in `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    R = len(report.router_names)
+    n = min(show, row_len)
+    fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 + 0.5 * R), sharex=True)
+    for ax, taken, title in (
+        (axes[0], report.taken, "causal"),
+        (axes[1], report.taken_topk, "top-k"),
+    ):
+        ax.imshow(
+            taken[:n].T.float().numpy(),
+            aspect="auto",
+            cmap="Greens",
+            vmin=0,
+            vmax=1,
+            interpolation="nearest",
+        )
+        ax.set_yticks(range(R), [f"L{nm}" for nm in report.router_names])
+        ax.set_title(f"routed blocks taken ({title} routing), first {n} tokens", fontsize=9)
+    axes[1].set_xlabel("token position")
+    fig.tight_layout()
+    _save(fig, out / "routing.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    k = [float(i) for i in range(R + 1)]
+    ax.bar([i - 0.2 for i in k], report.depth_hist.tolist(), width=0.4, label="observed (causal)")
+    ax.bar(
+        [i + 0.2 for i in k],
+        report.independent_hist.tolist(),
+        width=0.4,
+        label="independent coins, same rates",
+    )
+    ax.set_xlabel("routed blocks taken per token")
+    ax.set_ylabel("tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, out / "depth_hist.png")
+
+    runs = loss_by_run(report)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = list(runs)
+    ax.bar(xs, [runs[x]["tokens"] for x in xs], color="tab:gray")
+    ax.set_xlabel("longest run of consecutive skipped routed blocks")
+    ax.set_ylabel("tokens")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [runs[x]["mean_loss"] for x in xs], "o-", color="tab:red")
+    ax2.set_ylabel("mean loss (nats)", color="tab:red")
+    fig.tight_layout()
+    _save(fig, out / "skip_runs.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    depth = report.depth
+    ok = ~report.loss.isnan()
+    for values, label, color in (
+        (report.entropy, "entropy", "tab:blue"),
+        (report.loss, "loss", "tab:red"),
+    ):
+        means = [
+            float(values[(depth == d) & ok].mean()) if ((depth == d) & ok).any() else float("nan")
+            for d in range(R + 1)
+        ]
+        ax.plot(range(R + 1), means, "o-", label=f"mean {label}", color=color)
+    c = report.correlations
+    ax.set_title(
+        f"Spearman rho: depth~entropy {c['depth_vs_entropy']['rho']:+.3f}, "
+        f"depth~loss {c['depth_vs_loss']['rho']:+.3f}",
+        fontsize=9,
+    )
+    ax.set_xlabel("routed blocks taken")
+    ax.set_ylabel("nats")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, out / "entropy.png")
+    return [out / f for f in ("routing.png", "depth_hist.png", "skip_runs.png", "entropy.png")]
+
+
+def report_md(
+    report: Report, classes: dict | None, extreme: dict | None, decode: Any = None
+) -> str:
+    """The numbers, as markdown."""
+    c = report.correlations
+    lines = [
+        "# Where the compute went",
+        "",
+        f"{len(report.tokens)} held-out tokens, {len(report.router_names)} routers.",
+        "",
+        "| router | take-rate (causal) | causal agrees with top-k |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {nm} | {report.take_rate[nm]:.3f} | {report.agreement[nm]:.3f} |"
+        for nm in report.router_names
+    ]
+    lines += ["", "| blocks taken | tokens | independent coins |", "|---|---|---|"]
+    lines += [
+        f"| {k} | {int(report.depth_hist[k])} | {float(report.independent_hist[k]):.1f} |"
+        for k in range(len(report.depth_hist))
+    ]
+    lines += ["", "| longest skip run | tokens | mean loss |", "|---|---|---|"]
+    lines += [
+        f"| {k} | {v['tokens']} | {v['mean_loss']:.4f} |" for k, v in loss_by_run(report).items()
+    ]
+    lines += [""]
+    for key in ("depth_vs_entropy", "depth_vs_loss"):
+        v = c[key]
+        interval = f"95% bootstrap interval {v['low']:+.4f} to {v['high']:+.4f}"
+        name = key.replace("_", " ")
+        lines.append(f"- {name}: Spearman rho {v['rho']:+.4f} ({interval}, n = {v['n']})")
+    if classes:
+        lines += [
+            "",
+            "| class | tokens | " + " | ".join(f"L{n}" for n in report.router_names) + " |",
+        ]
+        lines += ["|---|---|" + "---|" * len(report.router_names)]
+        for name, row in classes.items():
+            lines.append(
+                f"| {name} | {row['tokens']} | "
+                + " | ".join(f"{row[n]:.3f}" for n in report.router_names)
+                + " |"
+            )
+    if extreme:
+        for side in ("most", "least"):
+            lines += [
+                "",
+                f"{side} routed tokens (id, mean blocks taken, count): "
+                + ", ".join(
+                    f"{decode(i) if decode else i!r} {m:.2f} ({n})" for i, m, n in extreme[side]
+                ),
+            ]
+    return "\n".join(lines) + "\n"
