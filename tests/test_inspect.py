@@ -140,7 +140,40 @@ def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
     assert "rho depth~entropy" in capsys.readouterr().out
     for name in ("routing.png", "depth_hist.png", "skip_runs.png", "entropy.png"):
         assert (out / name).stat().st_size > 0
+    page = (out / "index.html").read_text()
+    assert page.count('class="tok"') == len(text)  # one element per token
+    assert page.count("data:image/png;base64,") == 4
+    assert "http" not in page.replace("http-equiv", "")  # self-contained: nothing to fetch
     report = (out / "report.md").read_text()
     assert f"{len(text)} held-out tokens" in report and "| letters/identifiers |" in report
     assert main(["inspect", str(ckpt), "--text", "", "--out", str(out)]) == 2
     assert "no tokens" in capsys.readouterr().err
+
+
+def test_the_page_renders_in_a_real_browser(tmp_path):
+    """Headless Chromium from the system's packages renders the page with one element per token
+    and no script errors; skipped where no such browser is installed."""
+    import shutil
+    import subprocess
+
+    from mixture_of_depths.checkpoint import save_checkpoint
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import ByteTokenizer
+
+    names = ("chromium", "chromium-browser", "google-chrome", "chrome", "headless_shell")
+    browser = next((b for b in map(shutil.which, names) if b), None)
+    if browser is None:
+        pytest.skip(f"no headless Chromium here (looked for {', '.join(names)})")
+    model = make_model(tiny_config(vocab_size=257), dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    text = "x = [1, 2]\nprint(x)\n"
+    assert main(["inspect", str(ckpt), "--text", text, "--out", str(tmp_path / "out")]) == 0
+    page = (tmp_path / "out" / "index.html").resolve()
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+         "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count('class="tok"') == len(text)
+    assert "Uncaught" not in proc.stderr and "CONSOLE" not in proc.stderr

@@ -678,7 +678,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     from .checkpoint import load_model, read_json_file, resolve_checkpoint
     from .data import ByteTokenizer, eval_batches, load_splits, load_tokenizer
-    from .inspect import analyse, class_table, extremes, plot, report_md
+    from .inspect import analyse, class_table, extremes, html_page, plot, report_md
     from .train import resolve_device
 
     if args.rows < 1:
@@ -700,7 +700,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report = analyse(model, tokens)
     out = Path(args.out) if args.out else ckpt.parent / "inspect"
     out.mkdir(parents=True, exist_ok=True)
-    plot(report, out, tokens.shape[1])
+    pictures = plot(report, out, tokens.shape[1])
+
+    def tokenizer_text(i: int) -> str:
+        if isinstance(tokenizer, ByteTokenizer):  # one byte of a character may not decode alone
+            return "" if i == tokenizer.eot_id else bytes([i]).decode("latin-1")
+        return tokenizer.decode([i])
+
     is_byte = isinstance(tokenizer, ByteTokenizer)
     classes = class_table(report) if is_byte else None
     extreme = None if is_byte else extremes(report)
@@ -708,9 +714,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .fileio import atomic_write_text
 
     atomic_write_text(out / "report.md", text)
+    images = {p.stem: p for p in pictures}
+    atomic_write_text(out / "index.html", html_page(report, tokenizer_text, images, text))
     c = report.correlations
     print(
-        f"{out}: report.md, routing.png, depth_hist.png, skip_runs.png, entropy.png "
+        f"{out}: index.html, report.md, routing.png, depth_hist.png, skip_runs.png, entropy.png "
         f"({len(report.tokens)} tokens; rho depth~entropy {c['depth_vs_entropy']['rho']:+.3f}, "
         f"depth~loss {c['depth_vs_loss']['rho']:+.3f})"
     )

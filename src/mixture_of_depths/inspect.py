@@ -383,3 +383,58 @@ def report_md(
                 ),
             ]
     return "\n".join(lines) + "\n"
+
+
+# -- the page --------------------------------------------------------------------------------------
+_DEPTH_COLORS = ("#ffffff", "#e5f5e0", "#a1d99b", "#41ab5d", "#006d2c", "#00441b")
+
+
+def _depth_color(depth: int, routers: int) -> str:
+    top = len(_DEPTH_COLORS) - 1
+    return _DEPTH_COLORS[min(top, round(depth * top / max(routers, 1)))]
+
+
+def html_page(report: Report, decode: Any, images: dict[str, Path], numbers: str) -> str:
+    """One self-contained page (no network): the text coloured by routed blocks taken (causal),
+    each token's per-router decisions and weights on hover, the pictures inlined, the numbers."""
+    import base64
+    import html
+
+    R = len(report.router_names)
+    spans = []
+    for i, tok in enumerate(report.tokens.tolist()):
+        depth = int(report.taken[i].sum())
+        color = _depth_color(depth, R)
+        hover = []
+        for j, nm in enumerate(report.router_names):
+            act = "take" if report.taken[i, j] else "skip"
+            topk = ", top-k takes" if report.taken_topk[i, j] else ""
+            hover.append(f"L{nm}: {act} (r = {float(report.weights[i, j]):+.2f}{topk})")
+        hover.append(f"entropy {float(report.entropy[i]):.2f}, loss {float(report.loss[i]):.2f}")
+        text = decode(tok)
+        shown = html.escape(text).replace("\n", "&#8629;<br>").replace(" ", "&nbsp;")
+        spans.append(
+            f'<span class="tok" data-depth="{depth}" style="background:{color}" '
+            f'title="{html.escape(chr(10).join(hover))}">{shown or "&#9633;"}</span>'
+        )
+    pictures = "".join(
+        f'<figure><img alt="{name}" src="data:image/png;base64,'
+        f'{base64.b64encode(path.read_bytes()).decode()}"><figcaption>{name}</figcaption></figure>'
+        for name, path in images.items()
+    )
+    legend = "".join(
+        f'<span class="key" style="background:{_depth_color(d, R)}">{d}</span>'
+        for d in range(R + 1)
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>mod inspect</title><style>"
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+        ".text{font-family:monospace;line-height:1.7;border:1px solid #ccc;padding:1em}"
+        ".tok{border-radius:2px}.key{display:inline-block;width:2em;text-align:center;"
+        "border:1px solid #999;margin-right:2px}img{max-width:100%}"
+        "</style></head><body><h1>Where the compute went</h1>"
+        f"<p>Routed blocks each token took (causal routing), 0 to {R}: {legend}. "
+        "Hover a token for each router's decision and weight.</p>"
+        f'<div class="text">{"".join(spans)}</div>{pictures}'
+        f"<pre>{html.escape(numbers)}</pre></body></html>\n"
+    )
