@@ -217,7 +217,10 @@ class MoDForCausalLM(PreTrainedModel, GenerationMixin):
             return
         if generation_config.use_cache is False:
             return
-        model_kwargs["cache"] = MoDCache()
+        # transformers' max_cache_length: prompt width plus max_new_tokens. Sizing the cache by
+        # it keeps a long-context model's dense layers from allocating max_seq_len slots.
+        max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        model_kwargs["cache"] = MoDCache(max_len if isinstance(max_len, int) else None)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(

@@ -27,7 +27,6 @@ of the dense run's peak); both with the warm-up and cosine of `TrainConfig`.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +260,3 @@ def _plot(results: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     tmp.replace(out / "convert.png")
-
-
-def clean(work: Path) -> None:
-    shutil.rmtree(work, ignore_errors=True)
