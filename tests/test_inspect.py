@@ -9,16 +9,25 @@ import math
 
 import pytest
 import torch
-from helpers import make_model, random_tokens, tiny_config
+from helpers import (
+    dense_twin_with_same_weights,
+    force_routing,
+    make_model,
+    random_tokens,
+    tiny_config,
+    unit_gates,
+)
 
 from mixture_of_depths.inspect import (
     analyse,
     bootstrap_spearman,
     longest_run,
+    loss_by,
     loss_by_run,
     poisson_binomial,
     ranks,
     spearman,
+    text_class,
 )
 
 
@@ -54,6 +63,46 @@ def test_counts_are_the_routes_of_a_forward_pass():
         assert rate == pytest.approx(rep.taken[:, j].double().mean().item())
     runs = loss_by_run(rep)
     assert sum(v["tokens"] for v in runs.values()) == 120
+
+
+def test_a_model_taking_every_block_has_no_excess_over_its_dense_twin(monkeypatch):
+    """Every token takes every routed block with gate 1: the model computes its dense twin, so the
+    excess loss is zero (float64 round-off) in every group, and baseline == own loss."""
+    unit_gates(monkeypatch)
+    model = make_model(tiny_config(causal_router="predictor"))
+    force_routing(model, True)
+    dense = dense_twin_with_same_weights(model)
+    x = random_tokens(2, 30, seed=4)
+    rep = analyse(model, x, bootstrap=20, baseline=dense)
+    assert rep.taken.all()
+    ok = ~rep.loss.isnan()
+    assert rep.excess[ok].abs().max() < 1e-10
+    for row in loss_by_run(rep).values():
+        assert abs(row["mean_excess"]) < 1e-10
+        assert row["mean_baseline_loss"] == pytest.approx(row["mean_loss"], abs=1e-10)
+
+
+def test_excess_by_group_is_the_mean_difference_of_two_forward_passes():
+    model = make_model(tiny_config())
+    other = make_model(tiny_config().dense_twin(), seed=7)
+    x = random_tokens(3, 40, seed=5)
+    rep = analyse(model, x, bootstrap=20, baseline=other)
+    with torch.no_grad():
+        a = model(x, routing="causal").logits.double().log_softmax(-1)
+        b = other(x).logits.double().log_softmax(-1)
+    nxt = x[:, 1:, None]
+    diff = (b[:, :-1].gather(-1, nxt) - a[:, :-1].gather(-1, nxt))[..., 0]  # own - baseline loss
+    depth = rep.depth.reshape(3, 40)[:, :-1]
+    table = loss_by(rep, rep.depth)
+    for k, row in table.items():
+        sel = diff[depth == k]
+        if len(sel) > 1:
+            assert row["mean_excess"] == pytest.approx(float(sel.mean()), abs=1e-9)
+            half = 1.96 * float(sel.std()) / len(sel) ** 0.5
+            assert row["excess_half_width"] == pytest.approx(half, rel=1e-9)
+    assert "depth_vs_baseline_loss" in rep.correlations
+    with pytest.raises(ValueError, match="vocab_size 62 differs"):
+        analyse(model, x, baseline=make_model(tiny_config(vocab_size=62).dense_twin()))
 
 
 def test_the_independence_baseline_is_the_poisson_binomial():
@@ -122,9 +171,22 @@ def test_token_classes_and_extremes_on_a_hand_made_routing():
     assert table["letters/identifiers"] == {"tokens": 4, "1": 1.0, "3": 0.5}
     assert table["whitespace"] == {"tokens": 2, "1": 0.0, "3": 0.0}
     assert table["digits"] == {"tokens": 1, "1": 1.0, "3": 1.0}
+    words = {ord("a"): " foo", ord("b"): "bar_1", ord(" "): "\n\n", ord("1"): " 42"}
+    by_text = class_table(rep, decode=lambda i: words[i])
+    assert by_text["letters/identifiers"] == {"tokens": 4, "1": 1.0, "3": 0.5}
+    assert by_text["whitespace"] == {"tokens": 2, "1": 0.0, "3": 0.0}
+    assert by_text["digits"]["tokens"] == 1
     ex = extremes(rep, k=2, min_count=2)
     assert ex["most"] == [(ord("a"), 2.0, 2), (ord("b"), 1.0, 2)]
     assert ex["least"][0] == (ord(" "), 0.0, 2)
+
+
+def test_text_classes_of_bpe_tokens():
+    cases = {" (": "punctuation", "):\n": "punctuation", " foo": "letters/identifiers",
+             "__init": "letters/identifiers", "x1": "letters/identifiers", " 2024": "digits",
+             "\n    ": "whitespace", "": "mixed", " x+1": "mixed", "\ufffd": "mixed",
+             "\u00e9t\u00e9": "letters/identifiers", "\u0663": "mixed"}  # fmt: skip
+    assert {t: text_class(t) for t in cases} == cases
 
 
 def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
@@ -148,6 +210,23 @@ def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
     assert f"{len(text)} held-out tokens" in report and "| letters/identifiers |" in report
     assert main(["inspect", str(ckpt), "--text", "", "--out", str(out)]) == 2
     assert "no tokens" in capsys.readouterr().err
+    # a dense baseline on the same tokenizer: the excess columns; another tokenizer: refused
+    dense = make_model(tiny_config(vocab_size=257).dense_twin(), dtype=torch.float32, seed=3)
+    base = save_checkpoint(tmp_path / "dense", dense, dense.config, tokenizer=ByteTokenizer())
+    argv = ["inspect", str(ckpt), "--text", text, "--out", str(out), "--baseline", str(base)]
+    assert main(argv) == 0
+    assert "depth~baseline loss" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "excess (95% interval)" in report and "depth vs baseline loss" in report
+    from mixture_of_depths.data import BPETokenizer
+
+    (tmp_path / "corpus.txt").write_text("hello world, hello tokens\n" * 50)
+    bpe = BPETokenizer.train([tmp_path / "corpus.txt"], vocab_size=300)
+    other = make_model(tiny_config(vocab_size=bpe.vocab_size).dense_twin(), dtype=torch.float32)
+    odd = save_checkpoint(tmp_path / "bpe", other, other.config, tokenizer=bpe)
+    argv[-1] = str(odd)
+    assert main(argv) == 2
+    assert "another tokenizer" in capsys.readouterr().err
 
 
 def test_the_page_renders_in_a_real_browser(tmp_path):

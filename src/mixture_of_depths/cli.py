@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text", default=None, help="inspect this text instead")
     p.add_argument("--out", default=None, help="(default: <checkpoint>/../inspect)")
     p.add_argument("--rows", type=int, default=8, help="held-out rows (default: 8)")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="CHECKPOINT",
+        help="a dense twin trained on the same tokenizer (e.g. runs/dense/checkpoint): adds each "
+        "token's excess loss over it, by skip run and by blocks taken",
+    )
     p.add_argument("--device", default="auto")
 
     p = sub.add_parser("eval", help="validation loss (top-k and causal) and routing accuracy")
@@ -684,8 +691,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.rows < 1:
         raise ValueError(f"--rows must be >= 1, got {args.rows}")
     ckpt = resolve_checkpoint(args.checkpoint)
-    model, cfg = load_model(ckpt, map_location=resolve_device(args.device))
+    device = resolve_device(args.device)
+    model, cfg = load_model(ckpt, map_location=device)
     tokenizer = load_tokenizer(ckpt)
+    baseline = None
+    if args.baseline is not None:
+        base_ckpt = resolve_checkpoint(args.baseline)
+        base_tok = load_tokenizer(base_ckpt)
+        if base_tok.fingerprint() != tokenizer.fingerprint():
+            raise ValueError(
+                f"--baseline {args.baseline} has another tokenizer ({base_tok!r}) than "
+                f"{args.checkpoint} ({tokenizer!r}): a per-token comparison needs the same tokens"
+            )
+        baseline = load_model(base_ckpt, map_location=device)[0]
     if args.text is not None:
         ids = tokenizer.encode(args.text)[: cfg.max_seq_len]
         if not ids:
@@ -697,7 +715,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             data = read_json_file(ckpt / "trainer.json").get("train_config", {}).get("data")
         val = load_splits(data, tokenizer)[1]
         tokens = eval_batches(val, args.rows, cfg.max_seq_len, 1)[0][0]
-    report = analyse(model, tokens)
+    report = analyse(model, tokens, baseline=baseline)
     out = Path(args.out) if args.out else ckpt.parent / "inspect"
     out.mkdir(parents=True, exist_ok=True)
     pictures = plot(report, out, tokens.shape[1])
@@ -708,9 +726,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return tokenizer.decode([i])
 
     is_byte = isinstance(tokenizer, ByteTokenizer)
-    classes = class_table(report) if is_byte else None
+    classes = class_table(report, None if is_byte else tokenizer_text)
     extreme = None if is_byte else extremes(report)
-    text = report_md(report, classes, extreme, lambda i: repr(tokenizer.decode([i])))
+    text = report_md(report, classes, extreme, lambda i: repr(tokenizer_text(i)))
     from .fileio import atomic_write_text
 
     atomic_write_text(out / "report.md", text)
@@ -720,7 +738,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(
         f"{out}: index.html, report.md, routing.png, depth_hist.png, skip_runs.png, entropy.png "
         f"({len(report.tokens)} tokens; rho depth~entropy {c['depth_vs_entropy']['rho']:+.3f}, "
-        f"depth~loss {c['depth_vs_loss']['rho']:+.3f})"
+        f"depth~loss {c['depth_vs_loss']['rho']:+.3f}"
+        + (
+            f", depth~baseline loss {c['depth_vs_baseline_loss']['rho']:+.3f}"
+            if "depth_vs_baseline_loss" in c
+            else ""
+        )
+        + ")"
     )
     return 0
 

@@ -10,13 +10,17 @@ router weights, the model's predictive entropy and its loss; and over all tokens
   distribution, and the mean loss by run length;
 - Spearman's rho of blocks taken against entropy and against loss, with percentile bootstrap
   intervals over tokens;
-- how often the causal decision and top-k agree, per router.
+- how often the causal decision and top-k agree, per router;
+- with a `baseline` model (a dense twin trained on the same tokens), each token's excess loss
+  (this model's minus the baseline's): a skipper's low loss alone cannot say skipping was free,
+  because the router picks which tokens skip; the baseline tells what they would have cost.
 
 Everything is computed with torch on the host; no plotting here.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,12 @@ class Report:
     agreement: dict[str, float] = field(default_factory=dict)  # causal == top-k, per router
     take_rate: dict[str, float] = field(default_factory=dict)  # causal, per router
     correlations: dict[str, dict[str, float]] = field(default_factory=dict)
+    baseline_loss: Tensor | None = None  # (N,) the baseline model's loss on the same tokens
+
+    @property
+    def excess(self) -> Tensor | None:
+        """(N,) this model's loss minus the baseline's (None without a baseline)."""
+        return None if self.baseline_loss is None else self.loss - self.baseline_loss
 
     @property
     def depth(self) -> Tensor:
@@ -118,31 +128,54 @@ def _table(routes: list[Route]) -> tuple[list[str], Tensor, Tensor]:
     return names, taken, weights
 
 
+def _token_loss(logits: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, T) predictive entropy and next-token loss (NaN at each row's last place), in float64
+    so that the excess over a baseline is not round-off."""
+    logp = logits.double().cpu().log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    loss = torch.full(idx.shape, float("nan"), dtype=torch.float64)
+    loss[:, :-1] = -logp[:, :-1].gather(-1, idx[:, 1:].cpu()[..., None])[..., 0]
+    return entropy, loss
+
+
 @torch.no_grad()
-def analyse(model: MoDTransformer, tokens: Tensor, bootstrap: int = 1000, seed: int = 0) -> Report:
-    """The routing of `tokens` ((T,) or (B, T) ids, each row a held-out stretch) through `model`
-    (see the module docstring)."""
-    idx = tokens[None] if tokens.dim() == 1 else tokens
+def _forward(model: MoDTransformer, idx: Tensor, routing: str) -> Any:
     was = model.training
     model.eval()
     try:
-        device = next(model.parameters()).device
-        idx = idx.to(device)
-        causal = model(idx, routing="causal")
-        topk = model(idx, routing="topk")
+        return model(idx.to(next(model.parameters()).device), routing=routing)
     finally:
         model.train(was)
+
+
+@torch.no_grad()
+def analyse(
+    model: MoDTransformer,
+    tokens: Tensor,
+    bootstrap: int = 1000,
+    seed: int = 0,
+    baseline: MoDTransformer | None = None,
+) -> Report:
+    """The routing of `tokens` ((T,) or (B, T) ids, each row a held-out stretch) through `model`
+    (see the module docstring). `baseline`, if given, is run on the same tokens (causal routing if
+    it has routers) for each token's excess loss; it must share the vocabulary."""
+    idx = tokens[None] if tokens.dim() == 1 else tokens
+    causal = _forward(model, idx, "causal")
+    topk = _forward(model, idx, "topk")
     if not causal.routes:
         raise ValueError("the model has no routed blocks: nothing to inspect")
     names, taken, weights = _table(causal.routes)
     _, taken_topk, _ = _table(topk.routes)
     B, T, R = taken.shape
-    logits = causal.logits.float().cpu()
-    logp = logits.log_softmax(-1)
-    entropy = -(logp.exp() * logp).sum(-1)  # (B, T)
-    loss = torch.full((B, T), float("nan"))
-    nxt = idx[:, 1:].cpu()
-    loss[:, :-1] = -logp[:, :-1].gather(-1, nxt[..., None])[..., 0]
+    entropy, loss = _token_loss(causal.logits, idx)
+    base_loss = None
+    if baseline is not None:
+        if baseline.config.vocab_size != model.config.vocab_size:
+            raise ValueError(
+                f"baseline vocab_size {baseline.config.vocab_size} differs from the model's "
+                f"{model.config.vocab_size}: the baseline must be trained on the same tokenizer"
+            )
+        base_loss = _token_loss(_forward(baseline, idx, "causal").logits, idx)[1].reshape(B * T)
     flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731
     taken, taken_topk, weights = flat(taken), flat(taken_topk), flat(weights)
     entropy, loss = flat(entropy), flat(loss)
@@ -163,6 +196,7 @@ def analyse(model: MoDTransformer, tokens: Tensor, bootstrap: int = 1000, seed: 
         longest_skip=longest_run(~taken),
         agreement={nm: float(same[j]) for j, nm in enumerate(names)},
         take_rate={nm: float(rates[j]) for j, nm in enumerate(names)},
+        baseline_loss=base_loss,
     )
     has_next = ~loss.isnan()
     d = depth.double()
@@ -170,20 +204,48 @@ def analyse(model: MoDTransformer, tokens: Tensor, bootstrap: int = 1000, seed: 
         "depth_vs_entropy": bootstrap_spearman(d, entropy.double(), bootstrap, seed),
         "depth_vs_loss": bootstrap_spearman(d[has_next], loss[has_next].double(), bootstrap, seed),
     }
+    if base_loss is not None:
+        # Does the router give compute to the tokens a dense model finds hard?
+        report.correlations["depth_vs_baseline_loss"] = bootstrap_spearman(
+            d[has_next], base_loss[has_next], bootstrap, seed
+        )
     return report
 
 
-def loss_by_run(report: Report) -> dict[int, dict[str, float]]:
-    """Per longest-skip-run length: how many tokens and their mean loss (tokens with a next)."""
+def _mean_interval(x: Tensor) -> tuple[float, float]:
+    """Mean and the half-width of its normal 95% interval (NaN width for fewer than 2)."""
+    x = x.double()
+    if len(x) == 0:
+        return float("nan"), float("nan")
+    half = 1.96 * float(x.std()) / len(x) ** 0.5 if len(x) > 1 else float("nan")
+    return float(x.mean()), half
+
+
+def loss_by(report: Report, groups: Tensor) -> dict[int, dict[str, float]]:
+    """Per value of `groups` ((N,) ints, e.g. the longest skip run or the blocks taken): how many
+    tokens, their mean loss and, with a baseline, their mean excess loss with the half-width of its
+    95% interval (tokens with a next token)."""
     out = {}
     ok = ~report.loss.isnan()
-    for k in sorted(set(report.longest_skip.tolist())):
-        sel = (report.longest_skip == k) & ok
-        out[k] = {
-            "tokens": int((report.longest_skip == k).sum()),
+    excess = report.excess
+    for k in sorted(set(groups.tolist())):
+        sel = (groups == k) & ok
+        row = {
+            "tokens": int((groups == k).sum()),
             "mean_loss": float(report.loss[sel].mean()) if sel.any() else float("nan"),
         }
+        if excess is not None:
+            row["mean_excess"], row["excess_half_width"] = _mean_interval(excess[sel])
+            row["mean_baseline_loss"] = (
+                float(report.baseline_loss[sel].mean()) if sel.any() else float("nan")
+            )
+        out[k] = row
     return out
+
+
+def loss_by_run(report: Report) -> dict[int, dict[str, float]]:
+    """`loss_by` the longest run of consecutive skipped routers."""
+    return loss_by(report, report.longest_skip)
 
 
 # -- by token class ------------------------------------------------------------------------------
@@ -207,11 +269,39 @@ def byte_class(token: int) -> str:
     return "other"
 
 
-def class_table(report: Report) -> dict[str, dict[str, float]]:
-    """Byte tokenizer: per class, its tokens and the share of them each router took (causal)."""
-    classes = [byte_class(int(t)) for t in report.tokens.tolist()]
+TEXT_CLASSES = ("whitespace", "punctuation", "digits", "letters/identifiers", "mixed")
+
+
+def text_class(text: str) -> str:
+    """The class of a (BPE) token's text: whitespace only; punctuation, digits or
+    letters/identifiers once leading and trailing whitespace is dropped (" (" is punctuation,
+    " foo" a word); mixed for the rest (" x+1", "\ufffd", the empty end-of-text)."""
+    core = text.strip()
+    if not text:
+        return "mixed"
+    if not core:
+        return "whitespace"
+    if core.isdigit() and core.isascii():
+        return "digits"
+    if all(ch.isalnum() or ch == "_" for ch in core) and not core.isdigit():
+        return "letters/identifiers"
+    if all(unicodedata.category(ch)[0] in "PS" and ch not in "_\ufffd" for ch in core):
+        return "punctuation"  # U+FFFD: part of a character's bytes, not a symbol
+    return "mixed"
+
+
+def class_table(report: Report, decode: Any = None) -> dict[str, dict[str, float]]:
+    """Per class, its tokens and the share of them each router took (causal). Byte tokenizer:
+    `byte_class` of each id; with `decode` (id -> text, a BPE tokenizer's): `text_class`."""
+    if decode is None:
+        classes, order = [byte_class(int(t)) for t in report.tokens.tolist()], BYTE_CLASSES
+    else:
+        memo: dict[int, str] = {}
+        for t in set(report.tokens.tolist()):
+            memo[t] = text_class(decode(t))
+        classes, order = [memo[t] for t in report.tokens.tolist()], TEXT_CLASSES
     out = {}
-    for c in BYTE_CLASSES:
+    for c in order:
         sel = torch.tensor([k == c for k in classes])
         if sel.any():
             shares = report.taken[sel].double().mean(0).tolist()
@@ -285,6 +375,7 @@ def plot(report: Report, out: Path, row_len: int, show: int = 96) -> list[Path]:
         width=0.4,
         label="independent coins, same rates",
     )
+    ax.set_xticks(range(R + 1))
     ax.set_xlabel("routed blocks taken per token")
     ax.set_ylabel("tokens")
     ax.legend(fontsize=8)
@@ -292,14 +383,49 @@ def plot(report: Report, out: Path, row_len: int, show: int = 96) -> list[Path]:
     _save(fig, out / "depth_hist.png")
 
     runs = loss_by_run(report)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = list(runs)
+    has_base = report.baseline_loss is not None
+    fig, axes = plt.subplots(1, 2 if has_base else 1, figsize=(11 if has_base else 6, 3.5))
+    ax = axes[0] if has_base else axes
     ax.bar(xs, [runs[x]["tokens"] for x in xs], color="tab:gray")
     ax.set_xlabel("longest run of consecutive skipped routed blocks")
     ax.set_ylabel("tokens")
+    ax.set_xticks(xs)
     ax2 = ax.twinx()
-    ax2.plot(xs, [runs[x]["mean_loss"] for x in xs], "o-", color="tab:red")
+    ax2.plot(xs, [runs[x]["mean_loss"] for x in xs], "o-", color="tab:red", label="this model")
+    if has_base:
+        ax2.plot(
+            xs,
+            [runs[x]["mean_baseline_loss"] for x in xs],
+            "s--",
+            color="black",
+            label="baseline, same tokens",
+        )
+        ax2.legend(fontsize=8, loc="upper left")
     ax2.set_ylabel("mean loss (nats)", color="tab:red")
+    if has_base:
+        ax = axes[1]
+        by_depth = loss_by(report, report.depth)
+        for table, label, shift, color in (
+            (runs, "by longest skip run", -0.08, "tab:red"),
+            (by_depth, "by routed blocks taken", 0.08, "tab:blue"),
+        ):
+            ks = list(table)
+            ax.errorbar(
+                [k + shift for k in ks],
+                [table[k]["mean_excess"] for k in ks],
+                yerr=[table[k]["excess_half_width"] for k in ks],
+                fmt="o",
+                capsize=3,
+                color=color,
+                label=label,
+            )
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xticks(range(R + 1))
+        ax.set_xlabel("longest skip run / blocks taken")
+        ax.set_ylabel("loss minus baseline's (nats)")
+        ax.set_title("excess loss over the baseline, mean and 95% interval", fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     _save(fig, out / "skip_runs.png")
 
@@ -321,6 +447,7 @@ def plot(report: Report, out: Path, row_len: int, show: int = 96) -> list[Path]:
         f"depth~loss {c['depth_vs_loss']['rho']:+.3f}",
         fontsize=9,
     )
+    ax.set_xticks(range(R + 1))
     ax.set_xlabel("routed blocks taken")
     ax.set_ylabel("nats")
     ax.legend(fontsize=8)
@@ -351,12 +478,31 @@ def report_md(
         f"| {k} | {int(report.depth_hist[k])} | {float(report.independent_hist[k]):.1f} |"
         for k in range(len(report.depth_hist))
     ]
-    lines += ["", "| longest skip run | tokens | mean loss |", "|---|---|---|"]
-    lines += [
-        f"| {k} | {v['tokens']} | {v['mean_loss']:.4f} |" for k, v in loss_by_run(report).items()
-    ]
+    excess = report.baseline_loss is not None
+    for title, table in (
+        ("longest skip run", loss_by_run(report)),
+        ("blocks taken", loss_by(report, report.depth)),
+    ):
+        head = f"| {title} | tokens | mean loss |"
+        if excess:
+            head += " baseline's loss | excess (95% interval) |"
+        lines += ["", head, "|---|---|---|" + ("---|---|" if excess else "")]
+        for k, v in table.items():
+            row = f"| {k} | {v['tokens']} | {v['mean_loss']:.4f} |"
+            if excess:
+                row += (
+                    f" {v['mean_baseline_loss']:.4f} | {v['mean_excess']:+.4f} "
+                    f"(±{v['excess_half_width']:.4f}) |"
+                )
+            lines.append(row)
+    if excess:
+        ok = ~report.loss.isnan()
+        mean, half = _mean_interval(report.excess[ok])
+        lines += ["", f"All tokens: excess loss over the baseline {mean:+.4f} (±{half:.4f})."]
     lines += [""]
-    for key in ("depth_vs_entropy", "depth_vs_loss"):
+    for key in ("depth_vs_entropy", "depth_vs_loss", "depth_vs_baseline_loss"):
+        if key not in c:
+            continue
         v = c[key]
         interval = f"95% bootstrap interval {v['low']:+.4f} to {v['high']:+.4f}"
         name = key.replace("_", " ")
@@ -379,7 +525,7 @@ def report_md(
                 "",
                 f"{side} routed tokens (id, mean blocks taken, count): "
                 + ", ".join(
-                    f"{decode(i) if decode else i!r} {m:.2f} ({n})" for i, m, n in extreme[side]
+                    f"{decode(i) if decode else repr(i)} {m:.2f} ({n})" for i, m, n in extreme[side]
                 ),
             ]
     return "\n".join(lines) + "\n"
