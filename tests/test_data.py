@@ -179,6 +179,35 @@ def test_bpe_trains_round_trips_and_reloads(tmp_path: Path) -> None:
     assert [t.tolist() for t in tok.encode_many([text, "x"])] == [ids, tok.encode("x")]
 
 
+def test_bpe_is_trained_once_per_corpus_and_cached(tmp_path: Path, monkeypatch) -> None:
+    files = corpus_files(make_corpus(tmp_path / "corpus", n=6))
+    cache = tmp_path / "tokcache"
+    first = make_tokenizer("bpe", files, vocab_size=280, cache_dir=cache)
+    assert len(list(cache.glob("bpe-*.json"))) == 1
+
+    def no_training(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(BPETokenizer, "train", no_training)
+    again = make_tokenizer("bpe", files, vocab_size=280, cache_dir=cache)
+    assert again.fingerprint() == first.fingerprint()
+    with pytest.raises(AssertionError, match="trained again"):  # another size: another key
+        make_tokenizer("bpe", files, vocab_size=290, cache_dir=cache)
+    files[0].write_text(files[0].read_text() + "\n# edited\n")  # an edited file: another key
+    with pytest.raises(AssertionError, match="trained again"):
+        make_tokenizer("bpe", files, vocab_size=280, cache_dir=cache)
+    monkeypatch.undo()
+    make_tokenizer("bpe", files, vocab_size=280, cache_dir=cache)  # the edited corpus's entry
+    assert len(list(cache.glob("bpe-*.json"))) == 2
+    for f in cache.glob("bpe-*.json"):  # damaged: trained again and rewritten
+        f.write_text("{cut sho")
+    assert make_tokenizer("bpe", files, vocab_size=280, cache_dir=cache).vocab_size <= 280
+    assert sorted(f.read_text().startswith("{cut") for f in cache.glob("bpe-*.json")) == [
+        False,
+        True,
+    ]
+
+
 def test_tokenizer_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'wordpiece'.*byte.*bpe"):
         make_tokenizer("wordpiece", [])

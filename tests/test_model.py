@@ -577,3 +577,34 @@ def test_random_routing_ablation_is_topk_on_noise_with_unit_gate():
     masks_b = [r.mask for r in half(idx).routes]
     assert all((m.sum(1) == 10).all() for m in masks_a)
     assert any(not torch.equal(a, b) for a, b in zip(masks_a, masks_b, strict=True))
+
+
+def test_random_routing_is_compute_matched_in_causal_mode():
+    """The causal decision of random routing takes each token with probability `capacity` (or a
+    router's own `random_take_rates`), not the 50% of noise > 0: the share over 32k tokens is
+    within 6 standard errors of it, per router."""
+    base = dict(d_model=16, n_layers=4, n_heads=2, max_seq_len=256, layer_pattern="DR",
+                router_scores="random")  # fmt: skip
+    idx = torch.randint(0, 257, (128, 256), generator=torch.Generator().manual_seed(0))
+    for extra, want in (
+        (dict(capacity=0.125), [0.125, 0.125]),
+        (dict(capacity=0.125, random_take_rates="0.05,0.3"), [0.05, 0.3]),
+        (dict(capacity=0.25, routing="staggered", random_take_rates=[0.1, 0.2, 0.4, 0.6]),
+         [0.1, 0.2, 0.4, 0.6]),
+    ):  # fmt: skip
+        model = MoDTransformer(MoDConfig(**base, **extra)).eval()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            routes = model(idx, routing="causal").routes
+        n = idx.numel()
+        for r, p in zip(routes, want, strict=True):
+            assert abs(r.mask.double().mean().item() - p) < 6 * (p * (1 - p) / n) ** 0.5, r.name
+        with torch.no_grad():  # top-k still takes exactly k per row
+            topk = model(idx[:2], routing="topk").routes
+        assert all((r.mask.sum(1) == model.config.capacity_tokens(256)).all() for r in topk)
+    with pytest.raises(ValueError, match="give 2 rates strictly between 0 and 1"):
+        MoDConfig(**base, random_take_rates="0.1")
+    with pytest.raises(ValueError, match="give 2 rates"):
+        MoDConfig(**base, random_take_rates="0.1,1.5")
+    with pytest.raises(ValueError, match="needs router_scores='random'"):
+        MoDConfig(**{**base, "router_scores": "learned"}, random_take_rates="0.1,0.2")

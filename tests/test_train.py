@@ -36,6 +36,15 @@ def test_resume_reproduces_uninterrupted_run(corpus: Path, tmp_path: Path, causa
     m_res, _ = load_model(first / "checkpoint")
     for (n, a), (_, b) in zip(m_full.state_dict().items(), m_res.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
+    # the routing diagnostics too, with the step-6 flips counted against the step-3 decisions
+    # the resumed run read back from its checkpoint
+    diag = {
+        name: {r["step"]: r["routing_diag"] for r in map(json.loads, (d / "metrics.jsonl").open())
+               if "routing_diag" in r}
+        for name, d in (("full", full), ("resumed", first))
+    }  # fmt: skip
+    assert sorted(diag["full"]) == [3, 6] and diag["full"] == diag["resumed"]
+    assert all(v["topk_flips"] == v["topk_flips"] for v in diag["resumed"][6].values())  # not NaN
 
 
 def test_checkpoint_round_trip_gives_identical_logits(tmp_path: Path):

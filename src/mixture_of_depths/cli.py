@@ -305,12 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plan",
         default="isoflop",
-        choices=["isoflop", "mode", "kv", "convert"],
+        choices=["isoflop", "mode", "kv", "convert", "round2"],
         help="isoflop: MoD against dense over sizes, with ablations; mode: dense, MoD, MoE, MoE "
         "with dropping, staged and integrated MoDE; kv: the KV strategies (skipped_kv none and "
         "residual) at two capacities and two lengths; convert: a pretrained dense model "
         "converted to MoD, untrained, router-tuned, distilled, fully fine-tuned (docs/convert; "
-        "needs the [hf] extra) (default: %(default)s)",
+        "needs the [hf] extra); round2: the second round on BPE tokens: routing ablations with "
+        "compute-matched random baselines and diagnostics, then the grid at 256 and 1024 tokens "
+        "of context with the winning causal router (docs/study/round2) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="round2: stop after this many new runs (rerun to go on)",
     )
     p.add_argument(
         "--out",
@@ -578,6 +586,18 @@ def cmd_study(args: argparse.Namespace) -> int:
         )
         out = args.out or (OUT + ("-quick" if args.quick else ""))
         print(f"{len(results)} models in {out}/results.jsonl; report: {out}/report.md")
+        return 0
+    if args.plan == "round2":
+        from .study_round2 import OUT as R2
+        from .study_round2 import run as round2
+
+        if args.max_runs is not None and args.max_runs < 1:
+            raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
+        results = round2(
+            args.out, args.work, args.quick, args.data, not args.no_progress, args.max_runs
+        )
+        out = args.out or (R2 + ("-quick" if args.quick else ""))
+        print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
         return 0
     plan = {"isoflop": ISOFLOP, "mode": MODE, "kv": KV}[args.plan]
     results = study(

@@ -102,7 +102,11 @@ class MoDConfig:
     router_gate: str = "sigmoid"
     causal_router: str = "aux_loss"
     # "random": top-k on fresh N(0, 1) scores with a unit gate, the baseline for learned routing.
+    # Its causal decision takes a token with probability `capacity`, or per router (in layer
+    # order, comma-separated) `random_take_rates`, e.g. a learned model's measured causal rates:
+    # either way compute-matched, not the 50% a threshold of 0 on N(0, 1) noise would give.
     router_scores: str = "learned"
+    random_take_rates: str = ""
     aux_loss_weight: float = 0.1
     predictor_hidden: int = 64
     # "none": a routed token attends only to earlier tokens that took the layer, whose cache
@@ -168,8 +172,43 @@ class MoDConfig:
         object.__setattr__(self, "capacity", float(self.capacity))
         for name, allowed in FIELD_CHOICES.items():
             check_choice(name, getattr(self, name), allowed)
+        self._check_random_take_rates()
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+
+    def _check_random_take_rates(self) -> None:
+        if isinstance(self.random_take_rates, list | tuple):  # from Python: store as the string
+            text = ",".join(repr(float(v)) for v in self.random_take_rates)
+            object.__setattr__(self, "random_take_rates", text)
+        if not isinstance(self.random_take_rates, str):
+            raise ValueError(
+                "random_take_rates must be comma-separated rates, one per router, got "
+                f"{self.random_take_rates!r}"
+            )
+        if not self.random_take_rates:
+            return
+        if self.router_scores != "random":
+            raise ValueError(
+                f"random_take_rates={self.random_take_rates!r} needs router_scores='random' (got "
+                f"{self.router_scores!r})"
+            )
+        n = len(self.routed_layers) * (1 if self.routing == "joint" else 2)
+        try:
+            rates = [float(v) for v in self.random_take_rates.split(",")]
+        except ValueError:
+            rates = []
+        if len(rates) != n or not all(0.0 < v < 1.0 for v in rates):
+            raise ValueError(
+                f"random_take_rates={self.random_take_rates!r}: give {n} rates strictly between 0 "
+                f"and 1, one per router in layer order ({len(self.routed_layers)} routed layers, "
+                f"{self.routing} routing)"
+            )
+
+    def random_take_rate(self, router: int) -> float:
+        """The causal take-probability of random router number `router` (in layer order)."""
+        if not self.random_take_rates:
+            return self.capacity
+        return float(self.random_take_rates.split(",")[router])
 
     def _check_experts(self) -> None:
         if self.n_experts == 0:

@@ -349,13 +349,39 @@ def load_tokenizer(directory: Path) -> Tokenizer:
 
 
 def make_tokenizer(
-    kind: str, train_files: Sequence[str | Path], vocab_size: int = 4096
+    kind: str,
+    train_files: Sequence[str | Path],
+    vocab_size: int = 4096,
+    cache_dir: Path | None = None,
 ) -> Tokenizer:
-    """Build a tokenizer of ``kind`` ("byte" or "bpe"); BPE is trained on ``train_files``."""
+    """Build a tokenizer of ``kind`` ("byte" or "bpe"). BPE is trained on ``train_files`` once:
+    the result is cached in ``cache_dir`` (default :func:`default_cache_dir`) under a key of the
+    vocabulary size, the ``tokenizers`` version and every file's path, size and mtime, so runs on
+    the same data share one tokenizer (and its token cache) and skip the training."""
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        return BPETokenizer.train(train_files, vocab_size=vocab_size)
+        import tokenizers
+
+        paths = [Path(f) for f in train_files]
+        h = hashlib.sha256(f"bpe\0{vocab_size}\0{tokenizers.__version__}\0".encode())
+        for path in paths:
+            st = path.stat()
+            h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        cached = Path(cache_dir if cache_dir is not None else default_cache_dir())
+        cached = cached / f"bpe-{h.hexdigest()[:16]}.json"
+        if cached.is_file():
+            try:
+                return BPETokenizer.from_str(cached.read_text())
+            except Exception:  # unreadable or cut short: train again
+                pass
+        tokenizer = BPETokenizer.train(paths, vocab_size=vocab_size)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cached, tokenizer._json)
+        except OSError as e:  # a read-only cache costs time, not the run
+            warnings.warn(f"could not write tokenizer cache {cached}: {e}", stacklevel=2)
+        return tokenizer
     raise ValueError(
         f"unknown tokenizer kind {kind!r}; expected one of {', '.join(TOKENIZER_KINDS)}"
     )

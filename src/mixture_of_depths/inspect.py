@@ -540,15 +540,19 @@ def _depth_color(depth: int, routers: int) -> str:
     return _DEPTH_COLORS[min(top, round(depth * top / max(routers, 1)))]
 
 
-def html_page(report: Report, decode: Any, images: dict[str, Path], numbers: str) -> str:
+def html_page(
+    report: Report, decode: Any, images: dict[str, Path], numbers: str, show: int = 4096
+) -> str:
     """One self-contained page (no network): the text coloured by routed blocks taken (causal),
-    each token's per-router decisions and weights on hover, the pictures inlined, the numbers."""
+    each token's per-router decisions and weights on hover (the first `show` tokens: the
+    numbers cover them all), the pictures inlined, the numbers."""
     import base64
     import html
 
     R = len(report.router_names)
     spans = []
-    for i, tok in enumerate(report.tokens.tolist()):
+    shown_tokens = report.tokens.tolist()[:show]
+    for i, tok in enumerate(shown_tokens):
         depth = int(report.taken[i].sum())
         color = _depth_color(depth, R)
         hover = []
@@ -580,7 +584,13 @@ def html_page(report: Report, decode: Any, images: dict[str, Path], numbers: str
         "border:1px solid #999;margin-right:2px}img{max-width:100%}"
         "</style></head><body><h1>Where the compute went</h1>"
         f"<p>Routed blocks each token took (causal routing), 0 to {R}: {legend}. "
-        "Hover a token for each router's decision and weight.</p>"
+        "Hover a token for each router's decision and weight."
+        + (
+            f" The first {len(shown_tokens)} of {len(report.tokens)} tokens."
+            if len(shown_tokens) < len(report.tokens)
+            else ""
+        )
+        + "</p>"
         f'<div class="text">{"".join(spans)}</div>{pictures}'
         f"<pre>{html.escape(numbers)}</pre></body></html>\n"
     )

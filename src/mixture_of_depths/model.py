@@ -261,7 +261,14 @@ class RoutedBlock(Block):
     def router_weight(self, kind: str, x_BTD: Tensor) -> Tensor:
         """Raw router weights r = x @ w (B, T), in at least float32."""
         if self.cfg.router_scores == "random":  # ablation: scores that know nothing
-            return torch.randn(x_BTD.shape[:-1], device=x_BTD.device)
+            # N(0, 1) noise less its (1 - p) quantile: the causal decision r > 0 takes a token
+            # with probability p, the capacity or this router's rate; top-k ranks it as noise.
+            j = self.cfg.routed_layers.index(self.layer) * len(self.route_kinds)
+            p = min(
+                max(self.cfg.random_take_rate(j + self.route_kinds.index(kind)), 1e-6), 1 - 1e-6
+            )
+            shift = torch.special.ndtri(torch.tensor(1.0 - p, dtype=torch.float64)).item()
+            return torch.randn(x_BTD.shape[:-1], device=x_BTD.device) - shift
         return linear32(x_BTD, self.router[kind]).squeeze(-1)
 
     def predictor_logits(self, kind: str, x_BTD: Tensor) -> Tensor | None:

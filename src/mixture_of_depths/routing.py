@@ -193,3 +193,47 @@ def calibrate_predictors(model: nn.Module, idx: Tensor, take: float) -> list[flo
         fc2 = model.blocks[route.layer].predictor[route.kind].fc2
         fc2.bias -= ((z[cut - 1] + z[cut]) / 2).to(fc2.bias.dtype)
     return [r.mask.float().mean().item() for r in model(idx, routing="causal").routes]
+
+
+# -- diagnostics ----------------------------------------------------------------------------------
+@torch.no_grad()
+def routing_diagnostics(
+    cfg: MoDConfig, topk: list[Route], causal: list[Route]
+) -> tuple[dict[str, dict[str, float]], dict[str, Tensor]]:
+    """What a trainer logs at each evaluation to watch the routers learn, from the routes of one
+    probe batch in top-k and in causal routing: per router the distribution of the raw weights r
+    (mean, std, 5/50/95th percentiles), the top-k boundary (mean over rows of the k-th largest r),
+    the gate g(r) of the chosen tokens (mean, std), the causal take-rate; and the decisions
+    themselves (``"<name>/topk"``, ``"<name>/causal"``: bool masks) to compare with the next
+    evaluation's (`decision_flips`)."""
+    stats: dict[str, dict[str, float]] = {}
+    masks: dict[str, Tensor] = {}
+    for t, c in zip(topk, causal, strict=True):
+        r = t.logits.double()
+        q = torch.quantile(r.flatten(), torch.tensor([0.05, 0.5, 0.95], dtype=r.dtype))
+        k = int(t.mask.sum(1).max())
+        chosen = gate(cfg, t.logits[t.mask], t.logits).double()
+        stats[t.name] = {
+            "r_mean": float(r.mean()),
+            "r_std": float(r.std()) if r.numel() > 1 else 0.0,
+            "r_p05": float(q[0]),
+            "r_p50": float(q[1]),
+            "r_p95": float(q[2]),
+            "topk_boundary": float(r.topk(k, dim=1).values[:, -1].mean()) if k else float("nan"),
+            "gate_chosen_mean": float(chosen.mean()) if chosen.numel() else float("nan"),
+            "gate_chosen_std": float(chosen.std()) if chosen.numel() > 1 else float("nan"),
+            "causal_take_rate": float(c.mask.double().mean()),
+        }
+        masks[f"{t.name}/topk"] = t.mask.bool().cpu()
+        masks[f"{c.name}/causal"] = c.mask.bool().cpu()
+    return stats, masks
+
+
+def decision_flips(before: dict[str, Tensor], after: dict[str, Tensor]) -> dict[str, float]:
+    """Per mask key present in both with the same shape: the share of tokens whose decision
+    changed."""
+    return {
+        key: float((after[key] != m).double().mean())
+        for key, m in before.items()
+        if key in after and after[key].shape == m.shape
+    }

@@ -44,6 +44,7 @@ class StudySettings:
     ablation_size: str  # the size label the ablations vary
     # size labels to leave out at a budget: (budget, labels), for sizes far from its optimum
     skip: tuple[tuple[float, tuple[str, ...]], ...] = ()
+    tokenizer: str = "byte"  # "bpe": trained once on the training split and cached
 
     def sizes_at(self, budget: float) -> tuple[tuple[str, dict[str, Any]], ...]:
         left_out = {lab for b, labs in self.skip if b == budget for lab in labs}
@@ -109,6 +110,10 @@ class RunSpec:
     # the run's own sequence length and batch size (None: the settings')
     seq_len: int | None = None
     batch_size: int | None = None
+    evaluations: int | None = None  # evaluations in the run (None: the settings')
+    # a capacity warm-up over this share of the run's steps (from 1.0 down to the capacity);
+    # its extra FLOPs are charged to the budget
+    capacity_warmup: float = 0.0
 
 
 def _budget_tag(b: float) -> str:
@@ -173,16 +178,21 @@ def run_one(
     seq_len = settings.seq_len if spec.seq_len is None else spec.seq_len
     batch_size = settings.batch_size if spec.batch_size is None else spec.batch_size
     per_step = estimate_flops(cfg, seq_len, batch_size, with_dense=False)
-    steps = max(1, math.floor(spec.budget / per_step.train))
+    steps, warmup, spent = steps_for_budget(
+        cfg, seq_len, batch_size, spec.budget, spec.capacity_warmup
+    )
+    evals = settings.eval_every_runs if spec.evaluations is None else spec.evaluations
     out = work / spec.name
     tc = TrainConfig(
         out=str(out),
         data=data,
+        tokenizer=settings.tokenizer,
         batch_size=batch_size,
         seq_len=seq_len,
         steps=steps,
+        capacity_warmup=warmup,
         warmup_steps=max(1, min(50, steps // 10)),
-        eval_every=max(1, steps // settings.eval_every_runs),
+        eval_every=max(1, steps // evals),
         eval_batches=settings.eval_batches,
         log_every=max(1, min(10, steps)),
         seed=spec.seed,
@@ -198,7 +208,7 @@ def run_one(
         "steps": steps,
         "tokens": summary["tokens"],
         "params": summary["params"],
-        "flops_budget_used": steps * per_step.train,
+        "flops_budget_used": spent,
         "flops_per_forward_token": per_step.forward_per_token,
         "val_loss_topk": summary["val_loss_topk"],
         "val_loss_causal": summary["val_loss_causal"],
@@ -220,6 +230,43 @@ def run_one(
         row["flops_per_forward_token_spent"] = spent.forward_per_token
         row["flops_spent"] = steps * spent.train
     return row
+
+
+def steps_for_budget(
+    cfg: MoDConfig, seq_len: int, batch_size: int, budget: float, warmup_share: float = 0.0
+) -> tuple[int, int, float]:
+    """(steps, warm-up steps, training FLOPs spent): the most steps whose training FLOPs fit in
+    `budget`, with the capacity warmed up from 1.0 over `warmup_share` of them (each warm-up
+    step charged at its own capacity, `tune.capacity_at`)."""
+    from .tune import capacity_at
+
+    per_step = estimate_flops(cfg, seq_len, batch_size, with_dense=False).train
+    plain = max(1, math.floor(budget / per_step))
+    if warmup_share <= 0 or cfg.is_dense:
+        return plain, 0, plain * per_step
+    cost_at: dict[float, float] = {}
+
+    def cost(steps: int) -> tuple[int, float]:
+        w = max(1, round(warmup_share * steps))
+        total = 0.0
+        for s in range(min(w, steps)):
+            c = capacity_at(s, cfg.capacity, w)
+            if c not in cost_at:
+                cost_at[c] = estimate_flops(
+                    dataclasses.replace(cfg, capacity=c), seq_len, batch_size, with_dense=False
+                ).train
+            total += cost_at[c]
+        return w, total + max(0, steps - w) * per_step
+
+    lo, hi = 1, plain  # warm-up steps cost more: the answer is at most `plain`
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid)[1] <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    w, spent = cost(lo)
+    return lo, w, spent
 
 
 def load_results(path: Path) -> list[dict[str, Any]]:

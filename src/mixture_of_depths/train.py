@@ -60,7 +60,7 @@ from .experts import ran_real_expert, slot_shares
 from .fileio import atomic_write_text, fsync_dir, json_text, write_json
 from .model import MoDOutput, MoDTransformer
 from .precision import autocast_for
-from .routing import routing_accuracy
+from .routing import decision_flips, routing_accuracy, routing_diagnostics
 from .runlock import RunLock
 from .sharded import local_tensors
 from .tune import Distilled, capacity_at, dense_teacher, freeze_all_but_routers, set_capacity
@@ -399,6 +399,9 @@ class _Run:
     env: D.DistEnv = dataclasses.field(default_factory=D.DistEnv)
     parallel: str = "none"  # "none" (one process), "ddp" or "fsdp"
     sharded_checkpoints: bool = False
+    # The routing decisions on the probe batch at the last evaluation, to count the flips at the
+    # next one (`routing_diag` in the log); saved with the checkpoint so a resume counts alike.
+    probe_masks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -674,6 +677,7 @@ def _start(
         or (tc.checkpoint_format == "auto" and parallel == "fsdp"),
         bad_step=torch.zeros((), dtype=torch.int64, device=device),
         bad_values=torch.zeros(3, device=device),
+        probe_masks=unpack_masks(trainer_state.get("routing_probe", {})) if trainer_state else {},
     )
     # The predictor is clipped on its own: its gradient must not rescale the LM's update.
     for name, param in model.named_parameters():
@@ -867,7 +871,8 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
         )
         run.log.write({"step": done, "diverged": msg})
         raise TrainingDiverged(msg)
-    run.log.write({"step": done, **ev})
+    diag = _routing_probe(run)
+    run.log.write({"step": done, **ev, **({"routing_diag": diag} if diag else {})})
     bar.write(format_eval(done, ev))
     if run.sharded_checkpoints:  # every rank writes its shards
         save_sharded_checkpoint(
@@ -887,6 +892,53 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
     run.saved_step = done
     run.window_t += time.perf_counter() - t0
     return ev
+
+
+@torch.no_grad()
+def _routing_probe(run: _Run) -> dict[str, dict[str, float]]:
+    """`routing_diagnostics` on the first validation batch (every rank runs it whole: the same
+    weights give the same numbers, and a sharded model's forward is collective), with the share
+    of decisions that flipped since the last evaluation."""
+    if run.model_config.is_dense:
+        return {}
+    x = run.val[0][0].to(run.device)
+    was = run.model.training
+    run.model.eval()
+    try:
+        with autocast_for(run.device):
+            topk = run.model(x, routing="topk").routes
+            causal = run.model(x, routing="causal").routes
+    finally:
+        run.model.train(was)
+    stats, masks = routing_diagnostics(run.model_config, topk, causal)
+    flips = decision_flips(run.probe_masks, masks)
+    for name, row in stats.items():
+        for mode in ("topk", "causal"):
+            row[f"{mode}_flips"] = flips.get(f"{name}/{mode}", float("nan"))
+    run.probe_masks = masks
+    return stats
+
+
+def pack_masks(masks: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Bool masks as JSON: shape and the bits, packed 8 to a byte, in hex."""
+    out = {}
+    for key, m in masks.items():
+        bits = m.flatten().to(torch.uint8)
+        bits = torch.cat([bits, bits.new_zeros(-len(bits) % 8)]).reshape(-1, 8)
+        packed = (bits << torch.arange(7, -1, -1, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+        out[key] = {"shape": list(m.shape), "bits": bytes(packed.tolist()).hex()}
+    return out
+
+
+def unpack_masks(packed: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The inverse of `pack_masks`."""
+    out = {}
+    for key, v in packed.items():
+        raw = torch.tensor(list(bytes.fromhex(v["bits"])), dtype=torch.uint8)
+        bits = (raw[:, None] >> torch.arange(7, -1, -1, dtype=torch.uint8)) & 1
+        n = math.prod(v["shape"])
+        out[key] = bits.flatten()[:n].bool().reshape(v["shape"])
+    return out
 
 
 def _evaluate(run: _Run) -> dict[str, Any]:
@@ -924,6 +976,7 @@ def _trainer_state(run: _Run, done: int) -> dict[str, Any]:
         "checkpoint_format": "sharded" if run.sharded_checkpoints else "whole",
         "world_size": run.env.world_size,
         "parallel": run.parallel,
+        "routing_probe": pack_masks(run.probe_masks),
     }
 
 

@@ -1,0 +1,539 @@
+"""`mod study --plan round2`: the isoFLOP study again, with fair baselines, on BPE tokens.
+
+Phase 1, the routing ablations (one size, one budget, 256 tokens of context, two seeds each):
+learned routing with the aux loss at weights 0.01, 0.1 (round 1's default) and 1.0, the
+predictor, each causal router with the straight-through gate (1 forward, sigmoid's gradient) in
+place of the sigmoid, random routing compute-matched in causal mode (each token takes a block
+with probability = the capacity) and random routing at the aux-loss model's own measured
+per-router take-rates, the dense model of that size, and the winning learned router with a
+capacity warm-up over the first 10% of steps (its extra FLOPs charged to the budget). Every run
+logs the routing diagnostics at ten evaluations (`routing_diag` in its metrics, copied to
+``<out>/metrics/``), and its checkpoint is profiled with `inspect.analyse` before it is deleted:
+blocks taken per token, the share of takes that go to newline tokens, and Spearman's rho of
+blocks taken against the predictive entropy.
+
+Phase 2, the isoFLOP grid: dense against MoD with the winning causal router (lowest mean causal
+loss over the two seeds among the learned variants), BPE tokens (vocabulary 4096, trained once
+and cached), at 256 and 1024 tokens of context with 4096 tokens per step, three budgets up to
+1.5e14 training FLOPs; the two best sizes of each architecture at each budget train again with a
+second seed.
+
+Runs, resumption and FLOP accounting are `study.py`'s: an interrupted study resumes where it
+stopped. The report is rewritten after every run; `notes.md` in the output folder, if present
+(the diagnosis in words), is included in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .fileio import atomic_write_text, json_text
+from .study import (
+    RunSpec,
+    StudySettings,
+    _budget_tag,
+    findings,
+    format_findings,
+    load_results,
+    run_one,
+)
+
+OUT = "docs/study/round2"
+WORK = "runs/study-round2"
+
+
+@dataclass(frozen=True)
+class Round2Settings:
+    grid: StudySettings  # budgets, sizes, tokenizer; seq_len/batch_size are the first context's
+    contexts: tuple[tuple[int, int], ...]  # (seq_len, batch_size), the same tokens per step
+    ablation_budget: float
+    ablation_evaluations: int
+    profile_rows: int  # held-out rows `inspect.analyse` profiles each ablation's routing on
+
+
+_SIZES = (
+    ("XS", dict(d_model=64, n_layers=4, n_heads=4)),
+    ("S", dict(d_model=96, n_layers=4, n_heads=4)),
+    ("M", dict(d_model=128, n_layers=6, n_heads=4)),
+    ("L", dict(d_model=192, n_layers=6, n_heads=6)),
+)
+
+# Sizes bracket the compute-optimal size of each budget; far-off sizes are left out where a run
+# would cost the most. The ablations use S at the smallest budget (~2 minutes a run).
+FULL = Round2Settings(
+    grid=StudySettings(
+        budgets=(1.5e13, 5e13, 1.5e14),
+        sizes=_SIZES,
+        seq_len=256,
+        batch_size=16,
+        eval_every_runs=2,
+        eval_batches=8,
+        base={},
+        ablation_size="S",
+        skip=((1.5e13, ("L",)), (1.5e14, ("XS",))),
+        tokenizer="bpe",
+    ),
+    contexts=((256, 16), (1024, 4)),
+    ablation_budget=1.5e13,
+    ablation_evaluations=10,
+    profile_rows=16,
+)
+
+QUICK = Round2Settings(
+    grid=StudySettings(
+        budgets=(3e9, 1e10),
+        sizes=(
+            ("S", dict(d_model=32, n_layers=2, n_heads=2, predictor_hidden=16)),
+            ("M", dict(d_model=48, n_layers=2, n_heads=2, predictor_hidden=16)),
+        ),
+        seq_len=32,
+        batch_size=4,
+        eval_every_runs=1,
+        eval_batches=1,
+        base={},
+        ablation_size="S",
+        tokenizer="bpe",
+    ),
+    contexts=((32, 4), (64, 2)),
+    ablation_budget=3e9,
+    ablation_evaluations=3,
+    profile_rows=2,
+)
+
+MOD = dict(layer_pattern="DR", capacity=0.125)
+DENSE = dict(layer_pattern="D")
+# (label, tag, MoDConfig overrides): the learned causal routers, in the order the report shows.
+LEARNED: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("aux loss 0.1 (round 1)", "aux", dict(aux_loss_weight=0.1)),
+    ("aux loss 0.01", "aux001", dict(aux_loss_weight=0.01)),
+    ("aux loss 1.0", "aux1", dict(aux_loss_weight=1.0)),
+    ("predictor", "pred", dict(causal_router="predictor")),
+    ("aux loss 0.1, straight-through gate", "aux-st", dict(router_gate="straight_through")),
+    ("predictor, straight-through gate", "pred-st",
+     dict(causal_router="predictor", router_gate="straight_through")),
+)  # fmt: skip
+SEEDS = (0, 1)
+WARMUP = 0.1
+
+
+def _ablation(
+    s: Round2Settings, label: str, tag: str, over: dict[str, Any], seed: int, **kw: Any
+) -> RunSpec:
+    g = s.grid
+    size, shape = next(sz for sz in g.sizes if sz[0] == g.ablation_size)
+    seq_len, batch = s.contexts[0]
+    return RunSpec(
+        name=f"abl-{tag}-s{seed}",
+        group="ablation",
+        label=label,
+        budget=s.ablation_budget,
+        model={"max_seq_len": seq_len, **shape, **over},
+        seed=seed,
+        seq_len=seq_len,
+        batch_size=batch,
+        evaluations=s.ablation_evaluations,
+        **kw,
+    )
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def winner(results: list[dict[str, Any]]) -> tuple[str, str, dict[str, Any]] | None:
+    """The learned causal router with the lowest causal loss averaged over its seeds, once every
+    learned variant has all its seeds (None before)."""
+    best = None
+    for label, tag, over in LEARNED:
+        rows = [r for r in results if r["name"] in {f"abl-{tag}-s{sd}" for sd in SEEDS}]
+        if len(rows) < len(SEEDS):
+            return None
+        loss = _mean(rows, "val_loss_causal")
+        if best is None or loss < best[0]:
+            best = (loss, (label, tag, over))
+    return None if best is None else best[1]
+
+
+def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
+    """Every run the results so far call for, in the order to run them (those already done
+    included): the ablations; then, once the learned routers are all in, the winner's warm-up
+    ablation and the grid with the winner as the MoD arm; second seeds of a grid budget once
+    its first seeds are done."""
+    by_name = {r["name"]: r for r in results}
+    specs = []
+    for seed in SEEDS:
+        for label, tag, over in LEARNED:
+            specs.append(_ablation(s, label, tag, {**MOD, **over}, seed))
+        specs.append(
+            _ablation(s, "random, take-rate = capacity", "rand", {**MOD, "router_scores": "random"},
+                      seed)
+        )  # fmt: skip
+        specs.append(_ablation(s, "dense", "dense", DENSE, seed))
+    for seed in SEEDS:  # random at the aux-loss model's own causal rates (the same seed's)
+        aux = by_name.get(f"abl-aux-s{seed}")
+        if aux is not None:
+            # strictly inside (0, 1): a router that never (or always) took stays a coin
+            rates = ",".join(
+                f"{min(max(v, 1e-4), 1 - 1e-4):.6f}" for v in aux["causal_take_rate"].values()
+            )
+            over = {**MOD, "router_scores": "random", "random_take_rates": rates}
+            specs.append(
+                _ablation(s, "random, take-rates of aux loss 0.1", "rand-rates", over, seed)
+            )
+    win = winner(results)
+    if win is None:
+        return specs
+    label, tag, over = win
+    for seed in SEEDS:
+        specs.append(
+            _ablation(s, f"{label}, capacity warm-up {WARMUP:.0%}", f"{tag}-warm", {**MOD, **over},
+                      seed, capacity_warmup=WARMUP)
+        )  # fmt: skip
+    g = s.grid
+    for seq_len, batch in s.contexts:
+        for budget in g.budgets:
+            grid = []
+            for size, shape in g.sizes_at(budget):
+                for arch, arch_over in (("dense", DENSE), ("MoD", {**MOD, **over})):
+                    grid.append(
+                        RunSpec(
+                            name=f"ctx{seq_len}-{_budget_tag(budget)}-{arch}-{size}-s0",
+                            group="isoflop",
+                            label=f"{arch} {size}",
+                            budget=budget,
+                            model={"max_seq_len": seq_len, **shape, **arch_over},
+                            seq_len=seq_len,
+                            batch_size=batch,
+                        )
+                    )
+            specs += grid
+            if all(sp.name in by_name for sp in grid):
+                specs += _second_seeds([by_name[sp.name] for sp in grid])
+    return specs
+
+
+def _second_seeds(rows: list[dict[str, Any]]) -> list[RunSpec]:
+    """Seed 1 of the two best sizes of each architecture (by the causal loss)."""
+    out = []
+    for arch in ("dense", "MoD"):
+        mine = [r for r in rows if r["label"].startswith(arch + " ")]
+        for r in sorted(mine, key=lambda r: r["val_loss_causal"])[:2]:
+            spec = RunSpec(**{f.name: r[f.name] for f in dataclasses.fields(RunSpec)})
+            out.append(dataclasses.replace(spec, name=r["name"][:-3] + "-s1", group="seed", seed=1))
+    return out
+
+
+# -- running ---------------------------------------------------------------------------------------
+def run(
+    out: str | Path | None = None,
+    work: str | Path | None = None,
+    quick: bool = False,
+    data: str | None = None,
+    progress: bool = True,
+    max_runs: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) the second round; returns all results and rewrites the report after each
+    run. `max_runs` stops after that many new runs (a slice of the study, resumable)."""
+    s = QUICK if quick else FULL
+    out = Path(out if out is not None else OUT + ("-quick" if quick else ""))
+    work = Path(work if work is not None else WORK + ("-quick" if quick else ""))
+    (out / "metrics").mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    results = load_results(results_path)
+    done = {r["name"] for r in results}
+    bar = tqdm(desc="round 2", unit="run", initial=len(done), disable=not progress)
+    new = 0
+    while max_runs is None or new < max_runs:
+        pending = [sp for sp in plan(s, results) if sp.name not in done]
+        if not pending:
+            break
+        spec = pending[0]
+        bar.total = len(done) + len(pending)
+        bar.set_postfix_str(spec.name)
+        row = run_one(spec, s.grid, work, data, progress)
+        folder = work / spec.name
+        shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
+        if (
+            spec.group == "ablation"
+            and "layer_pattern" in spec.model
+            and spec.model["layer_pattern"] != "D"
+        ):
+            row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
+        with results_path.open("a") as fh:
+            fh.write(json_text(row) + "\n")
+        results.append(row)
+        done.add(spec.name)
+        new += 1
+        bar.update(1)
+        write_report(results, out, s)
+        shutil.rmtree(folder, ignore_errors=True)
+    bar.close()
+    write_report(results, out, s)
+    return results
+
+
+def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
+    """Where a trained model's compute goes on held-out text (`inspect.analyse`): the histogram
+    of routed blocks taken per token against independent coins, the share of each router's takes
+    that went to tokens containing a newline (and their share of the text), and Spearman's rho
+    of blocks taken against the predictive entropy."""
+    import torch
+
+    from .checkpoint import load_model
+    from .data import eval_batches, load_splits, load_tokenizer
+    from .inspect import analyse
+
+    model, cfg = load_model(ckpt)
+    tokenizer = load_tokenizer(ckpt)
+    val = load_splits(data, tokenizer)[1]
+    tokens = eval_batches(val, rows, cfg.max_seq_len, 1)[0][0]
+    rep = analyse(model, tokens, bootstrap=200)
+    newline = torch.tensor(["\n" in tokenizer.decode([int(t)]) for t in rep.tokens.tolist()])
+    takes = rep.taken.double()
+    return {
+        "tokens": len(rep.tokens),
+        "depth_hist": rep.depth_hist.tolist(),
+        "independent_hist": rep.independent_hist.tolist(),
+        "newline_share_of_text": float(newline.double().mean()),
+        "newline_share_of_takes": {
+            nm: float(takes[newline, j].sum() / takes[:, j].sum().clamp_min(1))
+            for j, nm in enumerate(rep.router_names)
+        },
+        "rho_depth_entropy": rep.correlations["depth_vs_entropy"],
+    }
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _ablation_rows(results: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r["group"] == "ablation":
+            groups.setdefault(r["label"], []).append(r)
+    return list(groups.items())
+
+
+def _take_rate(r: dict[str, Any]) -> float | None:
+    rates = r.get("causal_take_rate") or {}
+    return sum(rates.values()) / len(rates) if rates else None
+
+
+def ablation_table(results: list[dict[str, Any]]) -> list[str]:
+    groups = _ablation_rows(results)
+    if not groups:
+        return []
+    ref = dict(groups).get(LEARNED[0][0])
+    ref_loss = _mean(ref, "val_loss_causal") if ref else None
+    lines = [
+        "| variant | seeds | loss top-k | loss causal | seed spread | vs aux 0.1 (causal) | "
+        "causal take-rate | routing acc. | tokens taking no block | newline share of takes "
+        "(text) | rho blocks~entropy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, rows in groups:
+        causal = _mean(rows, "val_loss_causal")
+        spread = max(r["val_loss_causal"] for r in rows) - min(r["val_loss_causal"] for r in rows)
+        vs = "" if ref_loss is None else f"{100 * (causal - ref_loss) / ref_loss:+.2f}%"
+        take = [t for t in map(_take_rate, rows) if t is not None]
+        acc = [r["routing_accuracy_mean"] for r in rows if r.get("routing_accuracy_mean")]
+        prof = [r["profile"] for r in rows if "profile" in r]
+        none = nl = rho = ""
+        if prof:
+            p = prof[0]  # seed 0's
+            none = f"{p['depth_hist'][0] / p['tokens']:.1%}"
+            shares = list(p["newline_share_of_takes"].values())
+            nl = f"{sum(shares) / len(shares):.1%} ({p['newline_share_of_text']:.1%})"
+            v = p["rho_depth_entropy"]["rho"]  # None (NaN) when every token took alike
+            rho = "n/a" if v is None or v != v else f"{v:+.3f}"
+        lines.append(
+            f"| {label} | {len(rows)} | {_mean(rows, 'val_loss_topk'):.4f} | {causal:.4f} | "
+            f"{spread:.4f} | {vs} | {f'{sum(take) / len(take):.1%}' if take else ''} | "
+            f"{f'{sum(acc) / len(acc):.1%}' if acc else ''} | {none} | {nl} | {rho} |"
+        )
+    return lines
+
+
+def _diag_series(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Per diagnostic, (step, mean over routers) at each evaluation; and the training aux loss."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if "routing_diag" in rec:
+            diag = rec["routing_diag"]
+            for key in next(iter(diag.values())):
+                vals = [v[key] for v in diag.values() if v[key] is not None]
+                if vals:
+                    series.setdefault(key, []).append((rec["step"], sum(vals) / len(vals)))
+        if "aux_loss" in rec and "loss" in rec:
+            series.setdefault("aux_loss", []).append((rec["step"], rec["aux_loss"]))
+    return series
+
+
+DIAG_PANELS = (
+    ("r_std", "router weight r: std over tokens"),
+    ("topk_boundary", "top-k boundary: k-th largest r"),
+    ("gate_chosen_mean", "gate g(r) of the chosen tokens"),
+    ("topk_flips", "top-k decisions changed since last eval"),
+    ("causal_take_rate", "causal take-rate"),
+    ("aux_loss", "aux loss (BCE, training)"),
+)
+
+
+def plot_diagnosis(results: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results if r["group"] == "ablation" and r["seed"] == 0]
+    runs = [r for r in runs if r["model"].get("layer_pattern") != "D"]
+    if not runs:
+        return
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), dpi=100)
+    for i, r in enumerate(runs):
+        path = out / "metrics" / f"{r['name']}.jsonl"
+        if not path.exists():
+            continue
+        series = _diag_series(path)
+        for ax, (key, title) in zip(axes.flat, DIAG_PANELS, strict=True):
+            pts = series.get(key, [])
+            if key == "aux_loss" and len(pts) > 20:  # smooth the noisy per-step loss
+                w = max(1, len(pts) // 20)
+                pts = [(pts[j][0], sum(v for _, v in pts[j : j + w]) / w) for j in
+                       range(0, len(pts) - w + 1, w)]  # fmt: skip
+            if pts:
+                style = "--" if "random" in r["label"] else "-"
+                ax.plot(*zip(*pts, strict=True), style, color=f"C{i % 10}", label=r["label"])
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("routing during training (seed 0, mean over routers)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "diagnosis.png")
+    plt.close(fig)
+
+
+def plot_grid(results: list[dict[str, Any]], out: Path, contexts: tuple[tuple[int, int], ...]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(contexts), figsize=(6 * len(contexts), 4.5), dpi=110, squeeze=False
+    )
+    for ax, (seq_len, _) in zip(axes[0], contexts, strict=True):
+        rows = [r for r in results if r["group"] in ("isoflop", "seed") and r["seq_len"] == seq_len]
+        for j, budget in enumerate(sorted({r["budget"] for r in rows})):
+            for arch, style in (("dense", "s--"), ("MoD", "o-")):
+                pts: dict[float, list[float]] = {}
+                for r in rows:
+                    if r["budget"] == budget and r["label"].startswith(arch + " "):
+                        pts.setdefault(r["params"], []).append(r["val_loss_causal"])
+                if pts:
+                    xs = sorted(pts)
+                    ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], style, color=f"C{j}",
+                            label=f"{arch} @ {budget:.2g}")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel("validation loss (MoD: causal)")
+        ax.set_title(f"{seq_len} tokens of context")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "isoflop.png")
+    plt.close(fig)
+
+
+def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) -> None:
+    win = winner(results)
+    g = s.grid
+    lines = [
+        "# The isoFLOP study, second round: fair baselines, BPE tokens, longer context",
+        "",
+        "BPE tokens (vocabulary 4096, trained once on the training split of the default corpus "
+        "and cached), 4096 tokens per step. MoD: every other block routed, capacity 12.5%. "
+        "Losses are validation losses in nats per token; MoD runs are judged by the causal loss "
+        "(what generation gets). Each run trains for the most steps its budget buys, FLOPs from "
+        "`estimate_flops` (a capacity warm-up's extra FLOPs charged). Generated by "
+        "`mod study --plan round2`; the first round is `docs/study/report.md`.",
+        "",
+    ]
+    notes = out / "notes.md"
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
+    size = dict(g.sizes)[g.ablation_size]
+    lines += [
+        f"## Routing ablations ({s.ablation_budget:.1e} FLOPs, size {g.ablation_size}: "
+        f"d_model {size['d_model']}, {size['n_layers']} layers; {s.contexts[0][0]} tokens of "
+        "context)",
+        "",
+        "Random routing's causal decision takes each token with the capacity's probability (or "
+        "the aux-loss model's measured rates), so its compute matches learned routing's in both "
+        "modes. The routing profile (last three columns) is seed 0's, on held-out text.",
+        "",
+        *ablation_table(results),
+        "",
+        "![routing during training](diagnosis.png)",
+        "",
+    ]
+    if win is not None:
+        lines += [f"Winning causal router (lowest mean causal loss): **{win[0]}**.", ""]
+    for seq_len, batch in s.contexts:
+        rows = [r for r in results if r["group"] in ("isoflop", "seed") and r["seq_len"] == seq_len]
+        if not rows:
+            continue
+        f = findings(rows)
+        head = format_findings(f)
+        lines += [f"## isoFLOP grid, {seq_len} tokens of context (batch {batch})", ""]
+        lines += [ln.replace("## Headline", "### Headline") for ln in head]
+        lines += [
+            "",
+            "| model | seed | budget | params | FLOPs/fwd token | steps | val loss top-k | "
+            "val loss causal | routing acc. | train tok/s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(rows, key=lambda r: (r["budget"], r["label"], r["seed"])):
+            acc = r.get("routing_accuracy_mean")
+            lines.append(
+                f"| {r['label']} | {r['seed']} | {r['budget']:.1e} | {r['params'] / 1e6:.2f}M | "
+                f"{r['flops_per_forward_token'] / 1e6:.2f}M | {r['steps']} | "
+                f"{r['val_loss_topk']:.4f} | {r['val_loss_causal']:.4f} | "
+                f"{'' if not acc else f'{acc:.1%}'} | {r['tokens_per_s']:,.0f} |"
+            )
+        lines.append("")
+    if any(r["group"] in ("isoflop", "seed") for r in results):
+        lines += ["![isoFLOP curves](isoflop.png)", ""]
+    gpu = out / "gpu" / "results.jsonl"
+    lines += ["## On a GPU (1e16 to 1e17 FLOPs, bf16)", ""]
+    if gpu.exists():
+        rows = load_results(gpu)
+        lines += [f"From `benchmarks/gpu_study.py` ({len(rows)} runs):", ""]
+        lines += format_findings(findings(rows))[2:]
+    else:
+        lines.append(
+            "Not run yet: no GPU has been lent to this project. `benchmarks/gpu_study.py` runs "
+            "the same comparison on one GPU in about ten minutes and writes its results to "
+            f"`{out.as_posix()}/gpu/results.jsonl`, which this report then includes."
+        )
+    planned = plan(s, results)
+    left = [sp.name for sp in planned if sp.name not in {r["name"] for r in results}]
+    lines += [
+        "",
+        f"Progress: {len(results)} runs done" + (
+            f", {len(left)} planned next (more follow from their results)." if left else "."
+        ),
+    ]  # fmt: skip
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    try:
+        plot_diagnosis(results, out)
+        if any(r["group"] in ("isoflop", "seed") for r in results):
+            plot_grid(results, out, s.contexts)
+    except Exception as exc:  # plots are a convenience; the results are saved
+        print(f"note: plots failed: {exc!r}")

@@ -1,0 +1,104 @@
+"""The second-round study on tiny budgets: the plan follows the results (rate-matched random
+routing from the aux-loss runs, the winner's warm-up and grid), every run fits its budget with
+a warm-up's FLOPs charged, and an interrupted study resumes without redoing runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import mixture_of_depths.study_round2 as r2
+from mixture_of_depths import MoDConfig
+from mixture_of_depths.flops import estimate_flops
+from mixture_of_depths.study import steps_for_budget
+from mixture_of_depths.tune import capacity_at
+
+
+def test_steps_for_budget_charges_the_warm_up_step_by_step():
+    cfg = MoDConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, capacity=0.125)
+
+    def cost(steps: int, w: int) -> float:  # the slow sum, one step at a time
+        return sum(
+            estimate_flops(dataclasses.replace(cfg, capacity=capacity_at(s, 0.125, w)), 64, 4,
+                           with_dense=False).train
+            for s in range(steps)
+        )  # fmt: skip
+
+    per_step = estimate_flops(cfg, 64, 4, with_dense=False).train
+    budget = 300 * per_step
+    assert steps_for_budget(cfg, 64, 4, budget) == (300, 0, 300 * per_step)
+    steps, w, spent = steps_for_budget(cfg, 64, 4, budget, 0.1)
+    assert w == round(0.1 * steps) and steps < 300
+    assert spent == pytest.approx(cost(steps, w), rel=1e-12) and spent <= budget
+    w1 = round(0.1 * (steps + 1))
+    assert cost(steps + 1, w1) > budget  # one more step would not fit
+    dense = dataclasses.replace(cfg, layer_pattern="D")
+    assert steps_for_budget(dense, 64, 4, budget, 0.1)[1] == 0  # nothing to warm up
+
+
+@pytest.fixture()
+def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    monkeypatch.setenv("MOD_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"f{i}.py").write_text(f"def f(x):\n    return x * {i}  # n{i}\n" * 200)
+    q = r2.QUICK
+    grid = dataclasses.replace(q.grid, budgets=(3e9,), sizes=q.grid.sizes[:1])
+    monkeypatch.setattr(r2, "QUICK", dataclasses.replace(q, grid=grid, contexts=q.contexts[:1]))
+    monkeypatch.setattr(r2, "LEARNED", r2.LEARNED[:1] + r2.LEARNED[3:4])  # aux 0.1, predictor
+    return str(data)
+
+
+def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, monkeypatch):
+    out, work = tmp_path / "out", tmp_path / "work"
+    real = r2.run_one
+    calls = []
+
+    def flaky(spec, *a, **kw):
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(spec.name)
+        return real(spec, *a, **kw)
+
+    monkeypatch.setattr(r2, "run_one", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        r2.run(out, work, quick=True, data=tiny, progress=False)
+    monkeypatch.setattr(r2, "run_one", real)
+    results = r2.run(out, work, quick=True, data=tiny, progress=False)
+    by = {r["name"]: r for r in results}
+    assert len(by) == len(results)  # nothing ran twice
+    # 2 seeds x (2 learned + random + dense + rate-matched random + winner's warm-up), then the
+    # grid (dense, MoD at one size) and its second seeds
+    assert len(results) == 2 * 6 + 2 + 2
+    for seed in (0, 1):
+        rates = by[f"abl-aux-s{seed}"]["causal_take_rate"].values()
+        want = ",".join(f"{min(max(v, 1e-4), 1 - 1e-4):.6f}" for v in rates)
+        assert by[f"abl-rand-rates-s{seed}"]["model"]["random_take_rates"] == want
+    loss = {t: sum(by[f"abl-{t}-s{s}"]["val_loss_causal"] for s in (0, 1)) for t in ("aux", "pred")}
+    win = min(loss, key=loss.get)
+    label, tag, over = next(v for v in r2.LEARNED if v[1] == win)
+    assert by[f"abl-{win}-warm-s0"]["capacity_warmup"] == r2.WARMUP
+    mod_grid = [r for r in results if r["group"] in ("isoflop", "seed") and "MoD" in r["label"]]
+    assert mod_grid and all(r["model"].items() >= over.items() for r in mod_grid)
+    for r in results:  # every run within its budget; the warm-up runs buy fewer steps
+        cfg = MoDConfig(**r["model"])
+        assert r["flops_budget_used"] <= r["budget"]
+        steps, _, _ = steps_for_budget(cfg, r["seq_len"], r["batch_size"], r["budget"],
+                                       r["capacity_warmup"])  # fmt: skip
+        assert r["steps"] == steps
+    assert by[f"abl-{win}-warm-s0"]["steps"] < by[f"abl-{win}-s0"]["steps"]
+    for r in results:  # the diagnostics of every routed run were kept
+        lines = (out / "metrics" / f"{r['name']}.jsonl").read_text().splitlines()
+        diag = [json.loads(ln)["routing_diag"] for ln in lines if "routing_diag" in ln]
+        assert bool(diag) == (r["model"]["layer_pattern"] != "D")
+    assert "profile" in by["abl-aux-s0"] and sum(by["abl-aux-s0"]["profile"]["depth_hist"]) > 0
+    report = (out / "report.md").read_text()
+    assert "## Routing ablations" in report and "Winning causal router" in report
+    assert "isoFLOP grid" in report and "Not run yet" in report
+    assert (out / "diagnosis.png").exists() and (out / "isoflop.png").exists()
+    assert not any(work.iterdir())  # run folders deleted once profiled
+    monkeypatch.setattr(r2, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
+    assert len(r2.run(out, work, quick=True, data=tiny, progress=False)) == len(results)
