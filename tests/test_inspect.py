@@ -21,6 +21,7 @@ from helpers import (
 from mixture_of_depths.inspect import (
     analyse,
     bootstrap_spearman,
+    independence_test,
     longest_run,
     loss_by,
     loss_by_run,
@@ -122,6 +123,26 @@ def test_the_independence_baseline_is_the_poisson_binomial():
             prob *= pi if b else 1 - pi
         brute[sum(bits)] += prob
     torch.testing.assert_close(poisson_binomial(p), brute)
+
+
+def test_the_independence_test_on_hand_made_routings():
+    g = torch.Generator().manual_seed(3)
+    col = torch.rand(400, generator=g) < 0.2
+    same = torch.stack([col] * 4, 1)  # every router takes the same tokens: var = R^2 p(1-p)
+    res = independence_test(same, n=200)
+    assert res["variance_ratio"] == pytest.approx(4.0, rel=1e-12)
+    assert res["p_value"] == pytest.approx(1 / 201)  # no shuffle comes close
+    p = same.double().mean(0)
+    share = float(col.double().mean())
+    hist = torch.tensor([1 - share, 0, 0, 0, share], dtype=torch.float64)  # all or nothing
+    want_tv = 0.5 * float((hist - poisson_binomial(p)).abs().sum())
+    assert res["total_variation"] == pytest.approx(want_tv, rel=1e-12)
+    spread = torch.zeros(400, 4, dtype=torch.bool)  # each token takes exactly one router
+    spread[torch.arange(400), torch.arange(400) % 4] = True
+    assert independence_test(spread, n=50)["variance_ratio"] == 0.0
+    coins = torch.rand(4000, 4, generator=g) < torch.tensor([0.1, 0.2, 0.3, 0.4])
+    res = independence_test(coins, n=200)
+    assert abs(res["variance_ratio"] - 1) < 0.1 and res["p_value"] > 0.01
 
 
 def test_longest_skip_run_on_a_hand_made_routing():

@@ -50,6 +50,8 @@ class Report:
     take_rate: dict[str, float] = field(default_factory=dict)  # causal, per router
     correlations: dict[str, dict[str, float]] = field(default_factory=dict)
     baseline_loss: Tensor | None = None  # (N,) the baseline model's loss on the same tokens
+    # blocks taken against independent coins: variance ratio, total variation, permutation p
+    independence: dict[str, float] = field(default_factory=dict)
 
     @property
     def excess(self) -> Tensor | None:
@@ -69,6 +71,34 @@ def poisson_binomial(p: Tensor) -> Tensor:
             [dist.new_zeros(1), dist * pi]
         )
     return dist
+
+
+def independence_test(taken: Tensor, n: int = 1000, seed: int = 0) -> dict[str, float]:
+    """Does routing differ from independent per-router coins at the same rates? For (N, R) bool
+    decisions: the variance of blocks taken per token over its value under independence,
+    sum p(1 - p) (1: independent; above: routers take the same tokens; below: they share them
+    out), the total variation distance between the observed histogram and the Poisson-binomial
+    one, and a permutation test's two-sided p-value: each router's column is shuffled on its own
+    (keeping every router's rate exactly, breaking only the link between routers) `n` times."""
+    x = taken.double()
+    N, R = x.shape
+    p = x.mean(0)
+    var_ind = float((p * (1 - p)).sum())
+    var_obs = float(x.sum(1).var(unbiased=False))
+    hist = torch.bincount(taken.sum(1), minlength=R + 1).double()
+    tv = 0.5 * float((hist / N - poisson_binomial(p)).abs().sum())
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.empty(n, dtype=torch.float64)
+    for i in range(n):
+        cols = [x[torch.randperm(N, generator=g), j] for j in range(R)]
+        draws[i] = torch.stack(cols, 1).sum(1).var(unbiased=False)
+    far = ((draws - var_ind).abs() >= abs(var_obs - var_ind) - 1e-12).sum()
+    return {
+        "variance_ratio": var_obs / var_ind if var_ind > 0 else float("nan"),
+        "total_variation": tv,
+        "p_value": float((far + 1) / (n + 1)),
+        "permutations": n,
+    }
 
 
 def longest_run(skipped: Tensor) -> Tensor:
@@ -204,6 +234,7 @@ def analyse(
         "depth_vs_entropy": bootstrap_spearman(d, entropy.double(), bootstrap, seed),
         "depth_vs_loss": bootstrap_spearman(d[has_next], loss[has_next].double(), bootstrap, seed),
     }
+    report.independence = independence_test(taken, bootstrap, seed)
     if base_loss is not None:
         # Does the router give compute to the tokens a dense model finds hard?
         report.correlations["depth_vs_baseline_loss"] = bootstrap_spearman(
@@ -376,6 +407,13 @@ def plot(report: Report, out: Path, row_len: int, show: int = 96) -> list[Path]:
         label="independent coins, same rates",
     )
     ax.set_xticks(range(R + 1))
+    ind = report.independence
+    if ind:
+        ax.set_title(
+            f"variance {ind['variance_ratio']:.2f}x independent, permutation p = "
+            f"{ind['p_value']:.3g}",
+            fontsize=9,
+        )
     ax.set_xlabel("routed blocks taken per token")
     ax.set_ylabel("tokens")
     ax.legend(fontsize=8)
@@ -478,6 +516,16 @@ def report_md(
         f"| {k} | {int(report.depth_hist[k])} | {float(report.independent_hist[k]):.1f} |"
         for k in range(len(report.depth_hist))
     ]
+    ind = report.independence
+    if ind:
+        lines += [
+            "",
+            f"Against independent coins at the same per-router rates: variance of blocks taken "
+            f"{ind['variance_ratio']:.2f}x the independent one (1: independent; above 1: routers "
+            f"pick the same tokens; below: they share them out); total variation distance "
+            f"{ind['total_variation']:.3f}; permutation test p = {ind['p_value']:.4f} "
+            f"({ind['permutations']} shuffles of each router's decisions).",
+        ]
     excess = report.baseline_loss is not None
     for title, table in (
         ("longest skip run", loss_by_run(report)),
