@@ -8,9 +8,11 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import mixture_of_depths.study_round2 as r2
-from mixture_of_depths import MoDConfig
+from mixture_of_depths import MoDConfig, MoDTransformer
+from mixture_of_depths.data import corpus_files, make_tokenizer, split_files
 from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.study import steps_for_budget
 from mixture_of_depths.tune import capacity_at
@@ -70,6 +72,8 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     results = r2.run(out, work, quick=True, data=tiny, progress=False)
     by = {r["name"]: r for r in results}
     assert len(by) == len(results)  # nothing ran twice
+    train_files, _ = split_files(corpus_files(tiny))
+    bpe_vocab = make_tokenizer("bpe", train_files).vocab_size
     # 2 seeds x (2 learned + random + dense + rate-matched random + winner's warm-up), then the
     # grid (dense, MoD at one size) and its second seeds
     assert len(results) == 2 * 6 + 2 + 2
@@ -85,6 +89,9 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     assert mod_grid and all(r["model"].items() >= over.items() for r in mod_grid)
     for r in results:  # every run within its budget; the warm-up runs buy fewer steps
         cfg = MoDConfig(**r["model"])
+        assert cfg.vocab_size == bpe_vocab > 257  # FLOPs counted with the BPE vocabulary...
+        with torch.device("meta"):  # ...the one the run trained with (its parameter count)
+            assert MoDTransformer(cfg).num_params() == r["params"]
         assert r["flops_budget_used"] <= r["budget"]
         steps, _, _ = steps_for_budget(cfg, r["seq_len"], r["batch_size"], r["budget"],
                                        r["capacity_warmup"])  # fmt: skip

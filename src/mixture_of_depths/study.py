@@ -174,6 +174,14 @@ def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
 def run_one(
     spec: RunSpec, settings: StudySettings, work: Path, data: str | None, progress: bool = False
 ) -> dict:
+    model = dict(spec.model)
+    if settings.tokenizer != "byte" and "vocab_size" not in model:
+        # The model's vocabulary is the tokenizer's (training sets it): count its FLOPs.
+        from .data import corpus_files, make_tokenizer, split_files
+
+        train_files, _ = split_files(corpus_files(data))
+        model["vocab_size"] = make_tokenizer(settings.tokenizer, train_files).vocab_size
+        spec = dataclasses.replace(spec, model=model)
     cfg = MoDConfig(**spec.model)
     seq_len = settings.seq_len if spec.seq_len is None else spec.seq_len
     batch_size = settings.batch_size if spec.batch_size is None else spec.batch_size
