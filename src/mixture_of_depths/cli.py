@@ -725,7 +725,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             )
         baseline = load_model(base_ckpt, map_location=device)[0]
     if args.text is not None:
-        ids = tokenizer.encode(args.text)[: cfg.max_seq_len]
+        ids = tokenizer.encode(args.text)
+        if len(ids) > cfg.max_seq_len:
+            print(
+                f"note: --text is {len(ids)} tokens; only the first {cfg.max_seq_len} (the "
+                "model's max_seq_len) are inspected",
+                file=sys.stderr,
+            )
+            ids = ids[: cfg.max_seq_len]
         if not ids:
             raise ValueError("--text encodes to no tokens: give some text")
         tokens = torch.tensor([ids])
