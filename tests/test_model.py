@@ -608,3 +608,22 @@ def test_random_routing_is_compute_matched_in_causal_mode():
         MoDConfig(**base, random_take_rates="0.1,1.5")
     with pytest.raises(ValueError, match="needs router_scores='random'"):
         MoDConfig(**{**base, "router_scores": "learned"}, random_take_rates="0.1,0.2")
+
+
+def test_stopgrad_gate_is_sigmoid_forward_and_leaves_the_router_to_its_aux_loss():
+    """router_gate="sigmoid_stopgrad": the same forward as "sigmoid"; the LM loss sends the router
+    no gradient, so its gradient is exactly that of the aux loss alone."""
+    sig = make_model(router_gate="sigmoid")
+    stop = make_model(router_gate="sigmoid_stopgrad")
+    idx, targets = tokens(seed=1), tokens(seed=2)
+    for routing in ("topk", "causal"):
+        assert torch.equal(sig(idx, routing=routing).logits, stop(idx, routing=routing).logits)
+    out = stop(idx, targets=targets)
+    out.loss.backward()
+    routers = [lin.weight for b in stop.blocks if b.routed for lin in b.router.values()]
+    got = [w.grad.clone() for w in routers]
+    stop.zero_grad()
+    (stop.config.aux_loss_weight * stop(idx, targets=targets).aux_loss).backward()
+    for g, w in zip(got, routers, strict=True):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g, w.grad, rtol=1e-12, atol=1e-15)

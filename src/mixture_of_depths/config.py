@@ -20,7 +20,7 @@ from .checks import POSITIVE, POSITIVE_INT, SHARE, Range, check_choice, check_fi
 from .fileio import atomic_write_text
 
 ROUTING_MODES = ("joint", "staggered")
-ROUTER_GATES = ("raw", "sigmoid", "straight_through")
+ROUTER_GATES = ("raw", "sigmoid", "straight_through", "sigmoid_stopgrad")
 CAUSAL_ROUTERS = ("aux_loss", "predictor")
 # What a routed layer's attention keeps of the tokens that skip it (docs/semantics.md, "KV
 # strategies"): nothing (routing-isolated attention), or keys and values from its input.

@@ -126,6 +126,10 @@ def gate(cfg: MoDConfig, r: Tensor, like: Tensor) -> Tensor:
         # router still learns which tokens' updates lower the loss.
         s = torch.sigmoid(r)
         return (1.0 + (s - s.detach())).to(like.dtype)
+    if cfg.router_gate == "sigmoid_stopgrad":
+        # An ablation: sigmoid(r) forward, no gradient to the router through the update, so
+        # the router learns from its aux loss (or nothing, with a predictor) alone.
+        return torch.sigmoid(r).detach().to(like.dtype)
     return (torch.sigmoid(r) if cfg.router_gate == "sigmoid" else r).to(like.dtype)
 
 
