@@ -3,8 +3,9 @@
 Phase 1, the routing ablations (one size, one budget, 256 tokens of context, two seeds each):
 learned routing with the aux loss at weights 0.01, 0.1 (round 1's default) and 1.0, the
 predictor, each causal router with the straight-through gate (1 forward, sigmoid's gradient) in
-place of the sigmoid, the aux-loss router with no gradient from the LM loss, random routing compute-matched in causal mode (each token takes a block
-with probability = the capacity) and random routing at the aux-loss model's own measured
+place of the sigmoid, the aux-loss router with no gradient from the LM loss, random routing
+compute-matched in causal mode (each token takes a block with probability = the capacity) and
+random routing at the aux-loss model's own measured
 per-router take-rates, the dense model of that size, and the winning learned router with a
 capacity warm-up over the first 10% of steps (its extra FLOPs charged to the budget). Every run
 logs the routing diagnostics at ten evaluations (`routing_diag` in its metrics, copied to
