@@ -302,7 +302,16 @@ def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
     rep = analyse(model, tokens, bootstrap=200)
     newline = torch.tensor(["\n" in tokenizer.decode([int(t)]) for t in rep.tokens.tolist()])
     takes = rep.taken.double()
+    per_token = takes.sum(1)
+    ids, inverse = torch.unique(rep.tokens, return_inverse=True)
+    by_id = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, per_token)
+    top = by_id.argsort(descending=True)[:8]
     return {
+        "top_taken_tokens": [
+            [tokenizer.decode([int(ids[i])]), float(by_id[i] / per_token.sum().clamp_min(1))]
+            for i in top.tolist()
+            if by_id[i] > 0
+        ],
         "tokens": len(rep.tokens),
         "depth_hist": rep.depth_hist.tolist(),
         "independent_hist": rep.independent_hist.tolist(),
@@ -361,6 +370,27 @@ def ablation_table(results: list[dict[str, Any]]) -> list[str]:
             f"{spread:.4f} | {vs} | {f'{sum(take) / len(take):.1%}' if take else ''} | "
             f"{f'{sum(acc) / len(acc):.1%}' if acc else ''} | {none} | {nl} | {rho} |"
         )
+    return lines
+
+
+def top_tokens(results: list[dict[str, Any]]) -> list[str]:
+    """Per routed ablation (the first seed profiled with them), the tokens its blocks take most,
+    with their share of all takes."""
+    lines = []
+    for label, rows in _ablation_rows(results):
+        prof = next(
+            (r["profile"] for r in rows if "top_taken_tokens" in r.get("profile", {})), None
+        )
+        if prof:
+            top = ", ".join(f"{tok!r} {share:.0%}" for tok, share in prof["top_taken_tokens"][:6])
+            lines.append(f"- {label}: {top}")
+    if lines:
+        lines = [
+            "The tokens each variant's routed blocks take most (share of all takes):",
+            "",
+            *lines,
+            "",
+        ]
     return lines
 
 
@@ -485,6 +515,7 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
         "",
         *ablation_table(results),
         "",
+        *top_tokens(results),
         "![routing during training](diagnosis.png)",
         "",
     ]
