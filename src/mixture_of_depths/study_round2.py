@@ -365,9 +365,10 @@ def ablation_table(results: list[dict[str, Any]]) -> list[str]:
             nl = f"{sum(shares) / len(shares):.1%} ({p['newline_share_of_text']:.1%})"
             v = p["rho_depth_entropy"]["rho"]  # None (NaN) when every token took alike
             rho = "n/a" if v is None or v != v else f"{v:+.3f}"
+        spread_text = f"{spread:.4f}" if len(rows) > 1 else "-"
         lines.append(
             f"| {label} | {len(rows)} | {_mean(rows, 'val_loss_topk'):.4f} | {causal:.4f} | "
-            f"{spread:.4f} | {vs} | {f'{sum(take) / len(take):.1%}' if take else ''} | "
+            f"{spread_text} | {vs} | {f'{sum(take) / len(take):.1%}' if take else ''} | "
             f"{f'{sum(acc) / len(acc):.1%}' if acc else ''} | {none} | {nl} | {rho} |"
         )
     return lines
