@@ -76,7 +76,7 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     bpe_vocab = make_tokenizer("bpe", train_files).vocab_size
     # 2 seeds x (2 learned + random + dense + rate-matched random + winner's warm-up), then the
     # grid (dense, MoD at one size) and its second seeds
-    assert len(results) == 2 * 6 + 2 + 2
+    assert len(results) == 2 * 6 + 2 * 3 + 2 + 2  # ...and the longer runs (winner, random, dense)
     for seed in (0, 1):
         rates = by[f"abl-aux-s{seed}"]["causal_take_rate"].values()
         want = ",".join(f"{min(max(v, 1e-4), 1 - 1e-4):.6f}" for v in rates)
@@ -85,6 +85,11 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     win = min(loss, key=loss.get)
     label, tag, over = next(v for v in r2.LEARNED if v[1] == win)
     assert by[f"abl-{win}-warm-s0"]["capacity_warmup"] == r2.WARMUP
+    longer = [r for r in results if r["group"] == "longer"]
+    assert sorted(r["name"] for r in longer) == sorted(
+        f"long-{t}-s{sd}" for t in (win, "rand", "dense") for sd in (0, 1)
+    )
+    assert all(r["budget"] == r2.QUICK.long_budget for r in longer)
     mod_grid = [r for r in results if r["group"] in ("isoflop", "seed") and "MoD" in r["label"]]
     assert mod_grid and all(r["model"].items() >= over.items() for r in mod_grid)
     for r in results:  # every run within its budget; the warm-up runs buy fewer steps

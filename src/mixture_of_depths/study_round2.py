@@ -56,6 +56,7 @@ class Round2Settings:
     grid: StudySettings  # budgets, sizes, tokenizer; seq_len/batch_size are the first context's
     contexts: tuple[tuple[int, int], ...]  # (seq_len, batch_size), the same tokens per step
     ablation_budget: float
+    long_budget: float  # the winner, random routing and dense again, trained this much longer
     ablation_evaluations: int
     profile_rows: int  # held-out rows `inspect.analyse` profiles each ablation's routing on
 
@@ -84,6 +85,7 @@ FULL = Round2Settings(
     ),
     contexts=((256, 16), (1024, 4)),
     ablation_budget=1.5e13,
+    long_budget=5e13,
     ablation_evaluations=10,
     profile_rows=16,
 )
@@ -105,6 +107,7 @@ QUICK = Round2Settings(
     ),
     contexts=((32, 4), (64, 2)),
     ablation_budget=3e9,
+    long_budget=6e9,
     ablation_evaluations=3,
     profile_rows=2,
 )
@@ -200,6 +203,16 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
             _ablation(s, f"{label}, capacity warm-up {WARMUP:.0%}", f"{tag}-warm", {**MOD, **over},
                       seed, capacity_warmup=WARMUP)
         )  # fmt: skip
+    # does learned routing pull away from random with more training? (3.3x the steps)
+    for seed in SEEDS:
+        for lab, t, o in ((label, tag, over), ("random, take-rate = capacity", "rand",
+                          {"router_scores": "random"})):  # fmt: skip
+            spec = _ablation(s, lab, t, {**MOD, **o}, seed)
+            specs.append(dataclasses.replace(spec, name=f"long-{t}-s{seed}", group="longer",
+                                             budget=s.long_budget))  # fmt: skip
+        spec = _ablation(s, "dense", "dense", DENSE, seed)
+        specs.append(dataclasses.replace(spec, name=f"long-dense-s{seed}", group="longer",
+                                         budget=s.long_budget))  # fmt: skip
     g = s.grid
     for seq_len, batch in s.contexts:
         for budget in g.budgets:
@@ -325,10 +338,12 @@ def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
 
 
 # -- report ----------------------------------------------------------------------------------------
-def _ablation_rows(results: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+def _ablation_rows(
+    results: list[dict[str, Any]], group: str = "ablation"
+) -> list[tuple[str, list[dict[str, Any]]]]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in results:
-        if r["group"] == "ablation":
+        if r["group"] == group:
             groups.setdefault(r["label"], []).append(r)
     return list(groups.items())
 
@@ -338,14 +353,15 @@ def _take_rate(r: dict[str, Any]) -> float | None:
     return sum(rates.values()) / len(rates) if rates else None
 
 
-def ablation_table(results: list[dict[str, Any]]) -> list[str]:
-    groups = _ablation_rows(results)
+def ablation_table(results: list[dict[str, Any]], group: str = "ablation") -> list[str]:
+    groups = _ablation_rows(results, group)
     if not groups:
         return []
-    ref = dict(groups).get(LEARNED[0][0])
+    ref = dict(groups).get(LEARNED[0][0] if group == "ablation" else "dense")
     ref_loss = _mean(ref, "val_loss_causal") if ref else None
+    vs_what = "aux 0.1" if group == "ablation" else "dense"
     lines = [
-        "| variant | seeds | loss top-k | loss causal | seed spread | vs aux 0.1 (causal) | "
+        f"| variant | seeds | loss top-k | loss causal | seed spread | vs {vs_what} (causal) | "
         "causal take-rate | routing acc. | tokens taking no block | newline share of takes "
         "(text) | rho blocks~entropy |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -522,6 +538,16 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
     ]
     if win is not None:
         lines += [f"Winning causal router (lowest mean causal loss): **{win[0]}**.", ""]
+    longer = ablation_table(results, "longer")
+    if longer:
+        lines += [
+            f"### Trained longer: {s.long_budget:.1e} FLOPs, the same size",
+            "",
+            "Does learned routing pull away from random routing with more training?",
+            "",
+            *longer,
+            "",
+        ]
     for seq_len, batch in s.contexts:
         rows = [r for r in results if r["group"] in ("isoflop", "seed") and r["seq_len"] == seq_len]
         if not rows:
