@@ -315,11 +315,20 @@ def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
     rep = analyse(model, tokens, bootstrap=200)
     newline = torch.tensor(["\n" in tokenizer.decode([int(t)]) for t in rep.tokens.tolist()])
     takes = rep.taken.double()
+    T = tokens.shape[1]
+    k = cfg.capacity_tokens(T)
+    early = (torch.arange(len(rep.tokens)) % T < k).double()  # the first k places of each row
     per_token = takes.sum(1)
     ids, inverse = torch.unique(rep.tokens, return_inverse=True)
     by_id = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, per_token)
     top = by_id.argsort(descending=True)[:8]
     return {
+        # a router that takes the first k places of each row is trivially causal (1: all of
+        # its takes there; k/T, 12.5%, if position does not matter)
+        "takes_in_first_k_places": {
+            nm: float((takes[:, j] * early).sum() / takes[:, j].sum().clamp_min(1))
+            for j, nm in enumerate(rep.router_names)
+        },
         "top_taken_tokens": [
             [tokenizer.decode([int(ids[i])]), float(by_id[i] / per_token.sum().clamp_min(1))]
             for i in top.tolist()
@@ -400,7 +409,14 @@ def top_tokens(results: list[dict[str, Any]]) -> list[str]:
         )
         if prof:
             top = ", ".join(f"{tok!r} {share:.0%}" for tok, share in prof["top_taken_tokens"][:6])
-            lines.append(f"- {label}: {top}")
+            early = prof.get("takes_in_first_k_places")
+            where = ""
+            if early:
+                shares = "/".join(f"{v:.0%}" for v in early.values())
+                where = (
+                    f"; takes in each row's first k places: {shares} (12.5% if position is no cue)"
+                )
+            lines.append(f"- {label}: {top}{where}")
     if lines:
         lines = [
             "The tokens each variant's routed blocks take most (share of all takes):",
