@@ -87,7 +87,10 @@ QUICK = StudySettings(
     ablation_size="M",
 )
 
-MOD = dict(layer_pattern="DR", capacity=0.125)
+# The routing these studies ran with (the library's defaults when they ran), pinned so that a
+# rerun reproduces them whatever the defaults become.
+AUX_ROUTING = dict(causal_router="aux_loss", router_gate="sigmoid", aux_loss_weight=0.1)
+MOD = dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING)
 DENSE = dict(layer_pattern="D")
 ABLATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("capacity 25%", dict(capacity=0.25)),

@@ -31,6 +31,7 @@ import torch
 
 from .fileio import atomic_write_text, json_text
 from .study import (
+    AUX_ROUTING,
     Plan,
     RunSpec,
     StudySettings,
@@ -45,17 +46,17 @@ from .study import (
 SEQ_LENS: tuple[tuple[int, int], ...] = ((256, 16), (1024, 4))  # (length, batch): 4096 tokens
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
     ("dense", "dense", dict(layer_pattern="D")),
-    ("MoD 12.5%, none", "none-c12", dict(layer_pattern="DR", capacity=0.125)),
+    ("MoD 12.5%, none", "none-c12", dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING)),
     (
         "MoD 12.5%, residual",
         "res-c12",
-        dict(layer_pattern="DR", capacity=0.125, skipped_kv="residual"),
+        dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING, skipped_kv="residual"),
     ),
-    ("MoD 25%, none", "none-c25", dict(layer_pattern="DR", capacity=0.25)),
+    ("MoD 25%, none", "none-c25", dict(layer_pattern="DR", capacity=0.25, **AUX_ROUTING)),
     (
         "MoD 25%, residual",
         "res-c25",
-        dict(layer_pattern="DR", capacity=0.25, skipped_kv="residual"),
+        dict(layer_pattern="DR", capacity=0.25, **AUX_ROUTING, skipped_kv="residual"),
     ),
 )
 STRATEGIES = ("none", "residual")

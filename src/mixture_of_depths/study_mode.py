@@ -25,6 +25,7 @@ from typing import Any
 
 from .fileio import atomic_write_text, json_text
 from .study import (
+    AUX_ROUTING,
     Plan,
     RunSpec,
     StudySettings,
@@ -38,14 +39,14 @@ from .study import (
 EXPERTS = dict(n_experts=4, experts_per_token=1)
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
     ("dense", "dense", dict(layer_pattern="D")),
-    ("MoD", "mod", dict(layer_pattern="DR", capacity=0.125)),
+    ("MoD", "mod", dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING)),
     ("MoE", "moe", dict(layer_pattern="D", **EXPERTS)),
     (
         "MoE, capacity 0.5 (drops)",
         "moe-drop",
         dict(layer_pattern="D", **EXPERTS, expert_capacity_factor=0.5),
     ),
-    ("staged MoDE", "staged", dict(layer_pattern="DR", capacity=0.125, **EXPERTS)),
+    ("staged MoDE", "staged", dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING, **EXPERTS)),
     ("integrated MoDE", "integrated", dict(layer_pattern="D", **EXPERTS, n_noop_experts=4)),
     (
         "integrated MoDE, capacity 0.5",

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from .fileio import atomic_write_text, json_text
 from .study import (
+    AUX_ROUTING,
     RunSpec,
     StudySettings,
     _budget_tag,
@@ -112,7 +113,7 @@ QUICK = Round2Settings(
     profile_rows=2,
 )
 
-MOD = dict(layer_pattern="DR", capacity=0.125)
+MOD = dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING)  # variants override the routing
 DENSE = dict(layer_pattern="D")
 # (label, tag, MoDConfig overrides): the learned causal routers, in the order the report shows.
 LEARNED: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -383,13 +384,17 @@ def ablation_table(results: list[dict[str, Any]], group: str = "ablation") -> li
         acc = [r["routing_accuracy_mean"] for r in rows if r.get("routing_accuracy_mean")]
         prof = [r["profile"] for r in rows if "profile" in r]
         none = nl = rho = ""
-        if prof:
-            p = prof[0]  # seed 0's
-            none = f"{p['depth_hist'][0] / p['tokens']:.1%}"
-            shares = list(p["newline_share_of_takes"].values())
-            nl = f"{sum(shares) / len(shares):.1%} ({p['newline_share_of_text']:.1%})"
-            v = p["rho_depth_entropy"]["rho"]  # None (NaN) when every token took alike
-            rho = "n/a" if v is None or v != v else f"{v:+.3f}"
+        if prof:  # each seed's, "seed 0 / seed 1"
+            none = " / ".join(f"{p['depth_hist'][0] / p['tokens']:.1%}" for p in prof)
+            nl = (
+                " / ".join(
+                    f"{sum(v) / len(v):.1%}"
+                    for v in (list(p["newline_share_of_takes"].values()) for p in prof)
+                )
+                + f" ({prof[0]['newline_share_of_text']:.1%})"
+            )
+            rhos = (p["rho_depth_entropy"]["rho"] for p in prof)  # None (NaN): all took alike
+            rho = " / ".join("n/a" if v is None or v != v else f"{v:+.3f}" for v in rhos)
         spread_text = f"{spread:.4f}" if len(rows) > 1 else "-"
         lines.append(
             f"| {label} | {len(rows)} | {_mean(rows, 'val_loss_topk'):.4f} | {causal:.4f} | "
@@ -400,8 +405,8 @@ def ablation_table(results: list[dict[str, Any]], group: str = "ablation") -> li
 
 
 def top_tokens(results: list[dict[str, Any]]) -> list[str]:
-    """Per routed ablation (the first seed profiled with them), the tokens its blocks take most,
-    with their share of all takes."""
+    """Per routed ablation (its first seed profiled with them), the tokens its blocks take most,
+    with their share of all takes, and where in the row the takes fall."""
     lines = []
     for label, rows in _ablation_rows(results):
         prof = next(
@@ -544,7 +549,8 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
         "",
         "Random routing's causal decision takes each token with the capacity's probability (or "
         "the aux-loss model's measured rates), so its compute matches learned routing's in both "
-        "modes. The routing profile (last three columns) is seed 0's, on held-out text.",
+        "modes. The routing profile (last three columns) is each seed's (seed 0 / seed 1), on "
+        "held-out text.",
         "",
         *ablation_table(results),
         "",
