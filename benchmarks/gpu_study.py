@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['tokens_per_s']:,.0f} tok/s, {row['wall_s']:.0f} s"
                 )
     rows = load_results(path)
-    write_report(cpu_results, Path(OUT), FULL)  # the report picks up the GPU section
+    if out.resolve() == (Path(OUT) / "gpu").resolve():  # the report reads its GPU section there
+        write_report(cpu_results, Path(OUT), FULL)
+    else:
+        print(f"results in {path}; the round-2 report reads {OUT}/gpu/results.jsonl")
     print(json.dumps({"gpu": True, "runs": len(rows), "wall_s": time.perf_counter() - t0,
                       "out": str(path)}))  # fmt: skip
     return 0

@@ -608,6 +608,8 @@ def test_random_routing_is_compute_matched_in_causal_mode():
         MoDConfig(**base, random_take_rates="0.1,1.5")
     with pytest.raises(ValueError, match="needs router_scores='random'"):
         MoDConfig(**{**base, "router_scores": "learned"}, random_take_rates="0.1,0.2")
+    with pytest.raises(ValueError, match="causal_router='predictor'"):  # the predictor decides
+        MoDConfig(**base, causal_router="predictor", random_take_rates="0.1,0.2")
 
 
 def test_stopgrad_gate_is_sigmoid_forward_and_leaves_the_router_to_its_aux_loss():

@@ -187,10 +187,11 @@ class MoDConfig:
             )
         if not self.random_take_rates:
             return
-        if self.router_scores != "random":
+        if self.router_scores != "random" or self.causal_router != "aux_loss":
             raise ValueError(
-                f"random_take_rates={self.random_take_rates!r} needs router_scores='random' (got "
-                f"{self.router_scores!r})"
+                f"random_take_rates={self.random_take_rates!r} needs router_scores='random' and "
+                f"causal_router='aux_loss', where the noise itself decides (got "
+                f"router_scores={self.router_scores!r}, causal_router={self.causal_router!r})"
             )
         n = len(self.routed_layers) * (1 if self.routing == "joint" else 2)
         try:

@@ -364,6 +364,8 @@ def make_tokenizer(
         import tokenizers
 
         paths = [Path(f) for f in train_files]
+        # "bpe" names the recipe of BPETokenizer.train (byte-level, <|endoftext|>): change the
+        # string when the recipe changes, so no old tokenizer is taken for a new one
         h = hashlib.sha256(f"bpe\0{vocab_size}\0{tokenizers.__version__}\0".encode())
         for path in paths:
             st = path.stat()

@@ -50,8 +50,14 @@ class Report:
     take_rate: dict[str, float] = field(default_factory=dict)  # causal, per router
     correlations: dict[str, dict[str, float]] = field(default_factory=dict)
     baseline_loss: Tensor | None = None  # (N,) the baseline model's loss on the same tokens
+    row_len: int = 1 << 62  # tokens per row (N is rows x row_len)
     # blocks taken against independent coins: variance ratio, total variation, permutation p
     independence: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def row(self) -> Tensor:
+        """(N,) the row of each token (for intervals clustered by row)."""
+        return torch.arange(len(self.tokens)) // self.row_len
 
     @property
     def excess(self) -> Tensor | None:
@@ -96,7 +102,7 @@ def independence_test(taken: Tensor, n: int = 1000, seed: int = 0) -> dict[str, 
     return {
         "variance_ratio": var_obs / var_ind if var_ind > 0 else float("nan"),
         "total_variation": tv,
-        "p_value": float((far + 1) / (n + 1)),
+        "p_value": float((far + 1) / (n + 1)) if n > 0 else float("nan"),
         "permutations": n,
     }
 
@@ -227,6 +233,7 @@ def analyse(
         agreement={nm: float(same[j]) for j, nm in enumerate(names)},
         take_rate={nm: float(rates[j]) for j, nm in enumerate(names)},
         baseline_loss=base_loss,
+        row_len=T,
     )
     has_next = ~loss.isnan()
     d = depth.double()
@@ -243,13 +250,21 @@ def analyse(
     return report
 
 
-def _mean_interval(x: Tensor) -> tuple[float, float]:
-    """Mean and the half-width of its normal 95% interval (NaN width for fewer than 2)."""
+def _mean_interval(x: Tensor, rows: Tensor) -> tuple[float, float]:
+    """Mean of `x` and the half-width of its 95% interval, clustered by `rows` (each token's row):
+    tokens of one row are not independent, so the variance is the cluster-robust one, from the
+    rows' sums of deviations (NaN width with fewer than 2 rows)."""
     x = x.double()
     if len(x) == 0:
         return float("nan"), float("nan")
-    half = 1.96 * float(x.std()) / len(x) ** 0.5 if len(x) > 1 else float("nan")
-    return float(x.mean()), half
+    mean = float(x.mean())
+    ids, inverse = torch.unique(rows, return_inverse=True)
+    n_rows = len(ids)
+    if n_rows < 2:
+        return mean, float("nan")
+    dev = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, inverse, x - mean)
+    var = n_rows / (n_rows - 1) * float(dev.square().sum()) / len(x) ** 2
+    return mean, 1.96 * var**0.5
 
 
 def loss_by(report: Report, groups: Tensor) -> dict[int, dict[str, float]]:
@@ -266,7 +281,9 @@ def loss_by(report: Report, groups: Tensor) -> dict[int, dict[str, float]]:
             "mean_loss": float(report.loss[sel].mean()) if sel.any() else float("nan"),
         }
         if excess is not None:
-            row["mean_excess"], row["excess_half_width"] = _mean_interval(excess[sel])
+            row["mean_excess"], row["excess_half_width"] = _mean_interval(
+                excess[sel], report.row[sel]
+            )
             row["mean_baseline_loss"] = (
                 float(report.baseline_loss[sel].mean()) if sel.any() else float("nan")
             )
@@ -545,8 +562,12 @@ def report_md(
             lines.append(row)
     if excess:
         ok = ~report.loss.isnan()
-        mean, half = _mean_interval(report.excess[ok])
-        lines += ["", f"All tokens: excess loss over the baseline {mean:+.4f} (±{half:.4f})."]
+        mean, half = _mean_interval(report.excess[ok], report.row[ok])
+        lines += [
+            "",
+            f"All tokens: excess loss over the baseline {mean:+.4f} (±{half:.4f}). Intervals "
+            "are 95%, clustered by row (tokens of one row are not independent).",
+        ]
     lines += [""]
     for key in ("depth_vs_entropy", "depth_vs_loss", "depth_vs_baseline_loss"):
         if key not in c:

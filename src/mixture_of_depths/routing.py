@@ -213,10 +213,11 @@ def routing_diagnostics(
     stats: dict[str, dict[str, float]] = {}
     masks: dict[str, Tensor] = {}
     for t, c in zip(topk, causal, strict=True):
-        r = t.logits.double()
+        r = t.logits.detach().double().cpu()  # statistics on the host (quantile's q too)
         q = torch.quantile(r.flatten(), torch.tensor([0.05, 0.5, 0.95], dtype=r.dtype))
-        k = int(t.mask.sum(1).max())
-        chosen = gate(cfg, t.logits[t.mask], t.logits).double()
+        mask = t.mask.cpu()
+        k = int(mask.sum(1).max())
+        chosen = gate(cfg, r[mask], r).double()
         stats[t.name] = {
             "r_mean": float(r.mean()),
             "r_std": float(r.std()) if r.numel() > 1 else 0.0,
@@ -226,9 +227,9 @@ def routing_diagnostics(
             "topk_boundary": float(r.topk(k, dim=1).values[:, -1].mean()) if k else float("nan"),
             "gate_chosen_mean": float(chosen.mean()) if chosen.numel() else float("nan"),
             "gate_chosen_std": float(chosen.std()) if chosen.numel() > 1 else float("nan"),
-            "causal_take_rate": float(c.mask.double().mean()),
+            "causal_take_rate": float(c.mask.double().mean().cpu()),
         }
-        masks[f"{t.name}/topk"] = t.mask.bool().cpu()
+        masks[f"{t.name}/topk"] = mask.bool()
         masks[f"{c.name}/causal"] = c.mask.bool().cpu()
     return stats, masks
 

@@ -381,7 +381,9 @@ def ablation_table(results: list[dict[str, Any]], group: str = "ablation") -> li
         spread = max(r["val_loss_causal"] for r in rows) - min(r["val_loss_causal"] for r in rows)
         vs = "" if ref_loss is None else f"{100 * (causal - ref_loss) / ref_loss:+.2f}%"
         take = [t for t in map(_take_rate, rows) if t is not None]
-        acc = [r["routing_accuracy_mean"] for r in rows if r.get("routing_accuracy_mean")]
+        acc = [
+            r["routing_accuracy_mean"] for r in rows if r.get("routing_accuracy_mean") is not None
+        ]
         prof = [r["profile"] for r in rows if "profile" in r]
         none = nl = rho = ""
         if prof:  # each seed's, "seed 0 / seed 1"
@@ -596,9 +598,10 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
     if any(r["group"] in ("isoflop", "seed") for r in results):
         lines += ["![isoFLOP curves](isoflop.png)", ""]
     gpu = out / "gpu" / "results.jsonl"
-    lines += ["## On a GPU (1e16 to 1e17 FLOPs, bf16)", ""]
-    if gpu.exists():
-        rows = load_results(gpu)
+    rows = load_results(gpu) if gpu.exists() else []
+    budgets = ", ".join(f"{b:.0e}" for b in sorted({r["budget"] for r in rows})) or "1e16, 3e16"
+    lines += [f"## On a GPU ({budgets} FLOPs, bf16)", ""]
+    if rows:
         lines += [f"From `benchmarks/gpu_study.py` ({len(rows)} runs):", ""]
         lines += format_findings(findings(rows))[2:]
     else:
