@@ -367,9 +367,7 @@ def make_tokenizer(
         # "bpe" names the recipe of BPETokenizer.train (byte-level, <|endoftext|>): change the
         # string when the recipe changes, so no old tokenizer is taken for a new one
         h = hashlib.sha256(f"bpe\0{vocab_size}\0{tokenizers.__version__}\0".encode())
-        for path in paths:
-            st = path.stat()
-            h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        _hash_files(h, paths)
         cached = Path(cache_dir if cache_dir is not None else default_cache_dir())
         cached = cached / f"bpe-{h.hexdigest()[:16]}.json"
         if cached.is_file():
@@ -407,12 +405,17 @@ def _stream_dtype(tokenizer: Tokenizer) -> torch.dtype:
     return torch.uint16 if tokenizer.vocab_size <= 65536 else torch.int32
 
 
-def _cache_key(files: Sequence[Path], tokenizer: Tokenizer) -> str:
-    h = hashlib.sha256()
-    h.update(f"{_CACHE_FORMAT}\0{tokenizer.fingerprint()}\0".encode())
+def _hash_files(h: Any, files: Sequence[Path]) -> None:
+    """Add every file's absolute path, size and mtime to hash `h` (editing a file changes it)."""
     for path in files:
         st = path.stat()
         h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+
+
+def _cache_key(files: Sequence[Path], tokenizer: Tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(f"{_CACHE_FORMAT}\0{tokenizer.fingerprint()}\0".encode())
+    _hash_files(h, files)
     return h.hexdigest()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
@@ -267,7 +268,7 @@ class RoutedBlock(Block):
             p = min(
                 max(self.cfg.random_take_rate(j + self.route_kinds.index(kind)), 1e-6), 1 - 1e-6
             )
-            shift = torch.special.ndtri(torch.tensor(1.0 - p, dtype=torch.float64)).item()
+            shift = NormalDist().inv_cdf(1.0 - p)  # plain Python: no tensor, no sync
             return torch.randn(x_BTD.shape[:-1], device=x_BTD.device) - shift
         return linear32(x_BTD, self.router[kind]).squeeze(-1)
 
