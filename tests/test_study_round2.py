@@ -85,13 +85,19 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     win = min(loss, key=loss.get)
     label, tag, over = next(v for v in r2.LEARNED if v[1] == win)
     assert by[f"abl-{win}-warm-s0"]["capacity_warmup"] == r2.WARMUP
+    # the MoD arm keeps the warm-up exactly when it lowered the winner's mean causal loss
+    warm_loss = sum(by[f"abl-{win}-warm-s{s}"]["val_loss_causal"] for s in (0, 1))
+    warmup = r2.WARMUP if warm_loss < loss[win] else 0.0
+    arm = f"{win}-warm" if warmup else win
     longer = [r for r in results if r["group"] == "longer"]
     assert sorted(r["name"] for r in longer) == sorted(
-        f"long-{t}-s{sd}" for t in (win, "rand", "dense") for sd in (0, 1)
+        f"long-{t}-s{sd}" for t in (arm, "rand", "dense") for sd in (0, 1)
     )
+    assert by[f"long-{arm}-s0"]["capacity_warmup"] == warmup
     assert all(r["budget"] == r2.QUICK.long_budget for r in longer)
     mod_grid = [r for r in results if r["group"] in ("isoflop", "seed") and "MoD" in r["label"]]
     assert mod_grid and all(r["model"].items() >= over.items() for r in mod_grid)
+    assert all(r["capacity_warmup"] == warmup for r in mod_grid)
     for r in results:  # every run within its budget; the warm-up runs buy fewer steps
         cfg = MoDConfig(**r["model"])
         assert cfg.vocab_size == bpe_vocab > 257  # FLOPs counted with the BPE vocabulary...
@@ -114,3 +120,21 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     assert not any(work.iterdir())  # run folders deleted once profiled
     monkeypatch.setattr(r2, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
     assert len(r2.run(out, work, quick=True, data=tiny, progress=False)) == len(results)
+
+
+def test_mod_arm_keeps_the_warm_up_only_where_it_helped():
+    def rows(losses: dict[str, float]) -> list[dict]:
+        out = []
+        for _, tag, _ in r2.LEARNED:
+            names = [f"abl-{tag}-s{sd}" for sd in r2.SEEDS]
+            out += [{"name": n, "val_loss_causal": 4.0} for n in names if n not in losses]
+        return out + [{"name": n, "val_loss_causal": v} for n, v in losses.items()]
+
+    plain = {"abl-pred-s0": 3.75, "abl-pred-s1": 3.875}  # exact in binary: a real tie below
+    assert r2.mod_arm(rows(plain)) is None  # the warm-up runs are not in yet
+    assert r2.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.70})) is None
+    helped = r2.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.75, "abl-pred-warm-s1": 3.8125}))
+    assert helped[1:] == ("pred-warm", dict(causal_router="predictor"), r2.WARMUP)
+    # a tie on the mean keeps the plain winner: the warm-up must earn its place
+    tied = r2.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.625, "abl-pred-warm-s1": 4.0}))
+    assert tied[1:] == ("pred", dict(causal_router="predictor"), 0.0)

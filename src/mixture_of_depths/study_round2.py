@@ -169,11 +169,28 @@ def winner(results: list[dict[str, Any]]) -> tuple[str, str, dict[str, Any]] | N
     return None if best is None else best[1]
 
 
+def mod_arm(results: list[dict[str, Any]]) -> tuple[str, str, dict[str, Any], float] | None:
+    """The MoD arm of the longer runs and the grid: the winner, with the capacity warm-up if its
+    warm-up runs beat it on the mean causal loss over the seeds; (label, tag, overrides,
+    warm-up). None until the winner's warm-up runs are all in."""
+    win = winner(results)
+    if win is None:
+        return None
+    label, tag, over = win
+    plain = [r for r in results if r["name"] in {f"abl-{tag}-s{sd}" for sd in SEEDS}]
+    warm = [r for r in results if r["name"] in {f"abl-{tag}-warm-s{sd}" for sd in SEEDS}]
+    if len(warm) < len(SEEDS):
+        return None
+    if _mean(warm, "val_loss_causal") < _mean(plain, "val_loss_causal"):
+        return f"{label}, capacity warm-up {WARMUP:.0%}", f"{tag}-warm", over, WARMUP
+    return label, tag, over, 0.0
+
+
 def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     """Every run the results so far call for, in the order to run them (those already done
     included): the ablations; then, once the learned routers are all in, the winner's warm-up
-    ablation and the grid with the winner as the MoD arm; second seeds of a grid budget once
-    its first seeds are done."""
+    ablation; then the longer runs and the grid with `mod_arm` as the MoD arm; second seeds of
+    a grid budget once its first seeds are done."""
     by_name = {r["name"]: r for r in results}
     specs = []
     for seed in SEEDS:
@@ -204,11 +221,15 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
             _ablation(s, f"{label}, capacity warm-up {WARMUP:.0%}", f"{tag}-warm", {**MOD, **over},
                       seed, capacity_warmup=WARMUP)
         )  # fmt: skip
+    arm = mod_arm(results)
+    if arm is None:
+        return specs
+    label, tag, over, warmup = arm
     # does learned routing pull away from random with more training? (3.3x the steps)
     for seed in SEEDS:
-        for lab, t, o in ((label, tag, over), ("random, take-rate = capacity", "rand",
-                          {"router_scores": "random"})):  # fmt: skip
-            spec = _ablation(s, lab, t, {**MOD, **o}, seed)
+        for lab, t, o, w in ((label, tag, over, warmup), ("random, take-rate = capacity", "rand",
+                             {"router_scores": "random"}, 0.0)):  # fmt: skip
+            spec = _ablation(s, lab, t, {**MOD, **o}, seed, capacity_warmup=w)
             specs.append(dataclasses.replace(spec, name=f"long-{t}-s{seed}", group="longer",
                                              budget=s.long_budget))  # fmt: skip
         spec = _ablation(s, "dense", "dense", DENSE, seed)
@@ -229,6 +250,7 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
                             model={"max_seq_len": seq_len, **shape, **arch_over},
                             seq_len=seq_len,
                             batch_size=batch,
+                            capacity_warmup=warmup if arch == "MoD" else 0.0,
                         )
                     )
             specs += grid
@@ -562,6 +584,9 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
     ]
     if win is not None:
         lines += [f"Winning causal router (lowest mean causal loss): **{win[0]}**.", ""]
+    arm = mod_arm(results)
+    if arm is not None:
+        lines += [f"MoD arm of the longer runs and the grid: **{arm[0]}**.", ""]
     longer = ablation_table(results, "longer")
     if longer:
         lines += [
