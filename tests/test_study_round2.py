@@ -14,7 +14,7 @@ import mixture_of_depths.study_round2 as r2
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.data import corpus_files, make_tokenizer, split_files
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.study import steps_for_budget
+from mixture_of_depths.study import RunSpec, steps_for_budget
 from mixture_of_depths.tune import capacity_at
 
 
@@ -138,3 +138,17 @@ def test_mod_arm_keeps_the_warm_up_only_where_it_helped():
     # a tie on the mean keeps the plain winner: the warm-up must earn its place
     tied = r2.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.625, "abl-pred-warm-s1": 4.0}))
     assert tied[1:] == ("pred", dict(causal_router="predictor"), 0.0)
+
+
+def test_second_seeds_go_to_the_best_two_sizes_of_each_architecture():
+    rows = []
+    for arch, losses in (("dense", (4.0, 3.9, 3.95)), ("MoD", (3.8, 3.7, 3.85))):
+        for size, loss in zip(("XS", "S", "M"), losses, strict=True):
+            spec = RunSpec(name=f"ctx256-5e13-{arch}-{size}-s0", group="isoflop",
+                           label=f"{arch} {size}", budget=5e13, model={})  # fmt: skip
+            rows.append({**dataclasses.asdict(spec), "val_loss_causal": loss})
+    seeds = r2._second_seeds(rows)
+    assert sorted(sp.name for sp in seeds) == sorted(
+        f"ctx256-5e13-{n}-s1" for n in ("dense-S", "dense-M", "MoD-S", "MoD-XS")
+    )
+    assert all(sp.seed == 1 and sp.group == "seed" for sp in seeds)

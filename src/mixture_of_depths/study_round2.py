@@ -16,9 +16,9 @@ blocks taken against the predictive entropy.
 Phase 2, the isoFLOP grid: dense against MoD with the winning causal router (lowest mean causal
 loss over the two seeds among the learned variants), BPE tokens (vocabulary 4096, trained once
 and cached), at 256 and 1024 tokens of context with 4096 tokens per step, three budgets up to
-1.5e14 training FLOPs, three sizes at each; the best size of each architecture at each budget
-(the two models its headline compares) trains again with a second seed. About 11 hours on 2 CPU
-cores (~90 GFLOP/s), so it runs over several sessions: rerun to resume.
+1.5e14 training FLOPs, three sizes at each; the best two sizes of each architecture at each
+budget train again with a second seed. About 14 hours on 2 CPU cores (~90 GFLOP/s), so it runs
+over several sessions: rerun to resume.
 
 Runs, resumption and FLOP accounting are `study.py`'s: an interrupted study resumes where it
 stopped. The report is rewritten after every run; `notes.md` in the output folder, if present
@@ -260,12 +260,13 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
 
 
 def _second_seeds(rows: list[dict[str, Any]]) -> list[RunSpec]:
-    """Seed 1 of the best size of each architecture (by the causal loss): the two models the
-    budget's headline compares."""
+    """Seed 1 of the best two sizes of each architecture (by seed 0's causal loss): the models
+    the budget's headline compares and their runners-up, so that neither the gap nor the choice
+    of the best size rests on one seed."""
     out = []
     for arch in ("dense", "MoD"):
         mine = [r for r in rows if r["label"].startswith(arch + " ")]
-        for r in sorted(mine, key=lambda r: r["val_loss_causal"])[:1]:
+        for r in sorted(mine, key=lambda r: r["val_loss_causal"])[:2]:
             spec = RunSpec(**{f.name: r[f.name] for f in dataclasses.fields(RunSpec)})
             out.append(dataclasses.replace(spec, name=r["name"][:-3] + "-s1", group="seed", seed=1))
     return out
