@@ -43,7 +43,7 @@ def make_model(
     model = MoDTransformer(config)
     randomise(model, seed + 1)
     model = model.to(dtype).eval()
-    if config.causal_router == "predictor" and not config.is_dense:
+    if config.has_predictor and not config.is_dense:
         idx = random_tokens(4, 32, seed=99) if calib_idx is None else calib_idx
         calibrate_predictors(model, idx, take)
     return model
@@ -62,7 +62,7 @@ def force_routing(
         for kind in block.route_kinds:
             if takes is not None:
                 take = bool(next(takes))
-            if model.config.causal_router == "predictor":
+            if model.config.has_predictor:
                 block.predictor[kind].fc2.weight.zero_()
                 block.predictor[kind].fc2.bias.fill_(5.0 if take else -5.0)
             else:

@@ -210,7 +210,7 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
                 xs = streams[b]
                 r = [float(x @ w) for x in xs]
                 chosen_topk = topk_set(r, k)
-                if cfg.causal_router == "predictor":
+                if cfg.has_predictor:
                     pl = [predictor_logit(block.predictor[kind], x) for x in xs]
                 else:
                     pl = None
@@ -244,7 +244,7 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
                     mask,
                     r_bt,
                     target,
-                    pred_bt if cfg.causal_router == "predictor" else None,
+                    pred_bt if cfg.has_predictor else None,
                 )
             )
 

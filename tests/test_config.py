@@ -218,3 +218,22 @@ def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.capacity = 0.5  # would desynchronise the model's capacity rounding
     assert dataclasses.replace(cfg, capacity=0.5).capacity_tokens(10) == 5
+
+
+def test_routing_defaults_are_the_second_round_study_winners():
+    """docs/study/round2: the predictor, the sigmoid gate; the causal-router loss weight that
+    suits the router (0.1 for the predictor, 0.01 for the aux loss), resolved at construction so
+    that a saved config says the number; a weight given is kept."""
+    cfg = MoDConfig()
+    assert (cfg.causal_router, cfg.router_gate, cfg.aux_loss_weight) == (
+        "predictor",
+        "sigmoid",
+        0.1,
+    )
+    assert cfg.has_predictor
+    assert MoDConfig(causal_router="aux_loss").aux_loss_weight == 0.01
+    assert MoDConfig(causal_router="aux_loss", aux_loss_weight=0.3).aux_loss_weight == 0.3
+    assert MoDConfig(aux_loss_weight=0.0).aux_loss_weight == 0.0
+    again = MoDConfig.from_dict(json.loads(MoDConfig(causal_router="aux_loss").to_json()))
+    assert again.aux_loss_weight == 0.01
+    assert not MoDConfig(router_scores="random").has_predictor  # the noise decides

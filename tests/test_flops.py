@@ -87,7 +87,7 @@ def test_routed_weight_flops_are_capacity_share_and_dense_twin_attached():
 
 
 def test_decode_expectation_follows_take_rate():
-    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR"})
+    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "causal_router": "aux_loss"})
     none = estimate_flops(cfg, 64, take_rate=0.0)
     full = estimate_flops(cfg, 64, take_rate=1.0)
     # Taking every token costs the dense twin's decode plus the routers.

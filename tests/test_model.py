@@ -608,15 +608,24 @@ def test_random_routing_is_compute_matched_in_causal_mode():
         MoDConfig(**base, random_take_rates="0.1,1.5")
     with pytest.raises(ValueError, match="needs router_scores='random'"):
         MoDConfig(**{**base, "router_scores": "learned"}, random_take_rates="0.1,0.2")
-    with pytest.raises(ValueError, match="causal_router='predictor'"):  # the predictor decides
-        MoDConfig(**base, causal_router="predictor", random_take_rates="0.1,0.2")
+    # Random scores carry no predictor whatever causal_router says: the noise decides in both.
+    masks = {}
+    for router in ("predictor", "aux_loss"):
+        cfg = MoDConfig(**base, causal_router=router, random_take_rates="0.1,0.2")
+        model = MoDTransformer(cfg).eval()
+        assert not cfg.has_predictor
+        assert not any("predictor" in name for name, _ in model.named_parameters())
+        torch.manual_seed(3)
+        with torch.no_grad():
+            masks[router] = [r.mask for r in model(idx[:4], routing="causal").routes]
+    assert all(map(torch.equal, masks["predictor"], masks["aux_loss"]))
 
 
 def test_stopgrad_gate_is_sigmoid_forward_and_leaves_the_router_to_its_aux_loss():
     """router_gate="sigmoid_stopgrad": the same forward as "sigmoid"; the LM loss sends the router
     no gradient, so its gradient is exactly that of the aux loss alone."""
-    sig = make_model(router_gate="sigmoid")
-    stop = make_model(router_gate="sigmoid_stopgrad")
+    sig = make_model(router_gate="sigmoid", causal_router="aux_loss")
+    stop = make_model(router_gate="sigmoid_stopgrad", causal_router="aux_loss")
     idx, targets = tokens(seed=1), tokens(seed=2)
     for routing in ("topk", "causal"):
         assert torch.equal(sig(idx, routing=routing).logits, stop(idx, routing=routing).logits)

@@ -97,7 +97,9 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_gradient_clipping_happens_before_the_step(corpus: Path, tmp_path: Path, monkeypatch):
-    """With a tiny clip norm the logged (pre-clip) norm is large but the update is bounded."""
+    """With a tiny clip norm the logged (pre-clip) norm is large but the update is bounded: the
+    LM's gradient to the clip norm, and a predictor's, clipped on its own, to it as well (both
+    together to sqrt(2) times it)."""
     seen = []
     real_step = torch.optim.AdamW.step
 
@@ -114,8 +116,11 @@ def test_gradient_clipping_happens_before_the_step(corpus: Path, tmp_path: Path,
         return real_step(self, *a, **kw)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", spy)
-    train(MoDConfig(**TINY), tc(corpus, tmp_path / "o", steps=3, grad_clip=1e-3), progress=False)
-    assert seen and all(n <= 1e-3 * 1.0001 for n in seen)
+    for router, bound in (("aux_loss", 1e-3), ("predictor", 2**0.5 * 1e-3)):
+        seen.clear()
+        cfg = MoDConfig(**TINY, causal_router=router)
+        train(cfg, tc(corpus, tmp_path / router, steps=3, grad_clip=1e-3), progress=False)
+        assert seen and all(n <= bound * 1.0001 for n in seen), (router, seen)
 
 
 def test_train_errors_are_clear(corpus: Path, tmp_path: Path):

@@ -94,3 +94,41 @@ def test_the_cli_mode_and_its_refusals(corpus, tmp_path, capsys):
     with pytest.raises(ValueError, match="distill needs a teacher"):
         train(MoDConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, max_seq_len=32),
               tc(corpus, tmp_path / "y", distill=1.0, seq_len=32), progress=False)  # fmt: skip
+
+
+def _capacities(out: Path) -> list[float | None]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r.get("capacity") for r in rows if "loss" in r]
+
+
+def test_capacity_warmup_defaults_to_a_tenth_of_the_steps_and_resume_keeps_it(corpus, tmp_path):
+    """The default (docs/study/round2): a routed model warms its capacity up over 10% of the
+    steps; `capacity_warmup` steps override the ratio; a dense model has none; a resume that
+    extends --steps keeps the warm-up the run began with."""
+    from mixture_of_depths.train import resume_config
+
+    cfg = MoDConfig(vocab_size=257, d_model=32, n_layers=4, n_heads=4, max_seq_len=32)
+    assert cfg.capacity == 0.125
+    t = tc(corpus, tmp_path / "ratio", steps=30, seq_len=32, eval_every=10)
+    assert t.capacity_warmup_ratio == 0.1 and t.capacity_warmup == 0
+    train(cfg, t, progress=False)
+    assert _capacities(tmp_path / "ratio") == [capacity_at(s, 0.125, 3) for s in range(30)]
+    train(cfg, tc(corpus, tmp_path / "steps", steps=8, seq_len=32, capacity_warmup=5),
+          progress=False)  # fmt: skip
+    assert _capacities(tmp_path / "steps") == [capacity_at(s, 0.125, 5) for s in range(8)]
+    dense = MoDConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
+                      layer_pattern="D")  # fmt: skip
+    train(dense, tc(corpus, tmp_path / "dense", seq_len=32), progress=False)
+    assert _capacities(tmp_path / "dense") == [None] * 6
+    # cut inside the warm-up, resumed to twice the steps: still 3 warm-up steps, not 6
+    cut = tc(corpus, tmp_path / "cut", steps=30, seq_len=32, eval_every=2)
+    train_until(cfg, cut, stop_at=2)
+    longer = resume_config(tmp_path / "cut", {"steps": 60})
+    train(None, longer, resume=True, progress=False)
+    assert _capacities(tmp_path / "cut") == [capacity_at(s, 0.125, 3) for s in range(60)]
+    # a run written before the ratio existed resumes with none (its warm-up was in steps)
+    state_path = tmp_path / "ratio" / "checkpoint" / "trainer.json"
+    state = json.loads(state_path.read_text())
+    del state["train_config"]["capacity_warmup_ratio"], state["capacity_warmup_steps"]
+    state_path.write_text(json.dumps(state))
+    assert resume_config(tmp_path / "ratio", {"steps": 40}).capacity_warmup_ratio == 0.0

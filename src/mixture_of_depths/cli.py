@@ -49,6 +49,8 @@ def _add_dataclass_flags(
             default = getattr(base, f.name)
             if f.name in from_preset:
                 default = f"from --preset; {DEFAULT_PRESET}: {default}"
+            if f.name == "aux_loss_weight":  # None resolves by the causal router
+                default = "0.1 with the predictor, 0.01 with aux_loss"
         if typ is bool:
             parser.add_argument(
                 flag,

@@ -102,7 +102,7 @@ class FlopReport:
     def _predictor_fc1_share(self) -> float:
         """The predictor's first layer reads a detached stream: no input gradient there."""
         d, h = self.config.d_model, self.config.predictor_hidden
-        return d * h / (d * h + h) if self.config.causal_router == "predictor" else 0.0
+        return d * h / (d * h + h) if self.config.has_predictor else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = {

@@ -254,7 +254,7 @@ class RoutedBlock(Block):
         self.router = nn.ModuleDict(
             {kind: nn.Linear(cfg.d_model, 1, bias=False) for kind in self.route_kinds}
         )
-        if cfg.causal_router == "predictor":
+        if cfg.has_predictor:
             self.predictor = nn.ModuleDict(
                 {kind: Predictor(cfg.d_model, cfg.predictor_hidden) for kind in self.route_kinds}
             )
@@ -274,7 +274,7 @@ class RoutedBlock(Block):
 
     def predictor_logits(self, kind: str, x_BTD: Tensor) -> Tensor | None:
         """The causal predictor's logits (B, T) in predictor mode, else None."""
-        if self.cfg.causal_router != "predictor":
+        if not self.cfg.has_predictor:
             return None
         # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
         return self.predictor[kind](x_BTD.detach() if torch.is_grad_enabled() else x_BTD)
@@ -422,7 +422,7 @@ class RoutedBlock(Block):
         expert_share: float = 1.0,
     ) -> LayerCost:
         routers = 1 if cfg.routing == "joint" else 2  # staggered: attention's and the MLP's
-        predicted = tokens * routers if cfg.causal_router == "predictor" else 0.0
+        predicted = tokens * routers if cfg.has_predictor else 0.0
         topk = attn is None or mlp is None
         if topk:
             # Top-k: every token is weighed; each sub-block takes its own capacity_tokens.

@@ -173,9 +173,11 @@ def calibrate_predictors(model: nn.Module, idx: Tensor, take: float) -> list[flo
     score alike), and a threshold on a token's logit would let round-off decide for it. A gap
     below 1e-4 of the logits' range is an error.
     """
-    if model.config.causal_router != "predictor":
+    if not model.config.has_predictor:
         raise ValueError(
-            f"calibrating needs causal_router='predictor', got {model.config.causal_router!r}"
+            "calibrating needs predictors: causal_router='predictor' and learned router scores, "
+            f"got causal_router={model.config.causal_router!r}, "
+            f"router_scores={model.config.router_scores!r}"
         )
     if not 0 < take < 1:
         raise ValueError(f"take must be in (0, 1), got {take}")

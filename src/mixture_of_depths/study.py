@@ -202,6 +202,7 @@ def run_one(
         seq_len=seq_len,
         steps=steps,
         capacity_warmup=warmup,
+        capacity_warmup_ratio=0.0,  # the spec's warm-up, in steps, or none
         warmup_steps=max(1, min(50, steps // 10)),
         eval_every=max(1, steps // evals),
         eval_batches=settings.eval_batches,
@@ -249,7 +250,7 @@ def steps_for_budget(
     """(steps, warm-up steps, training FLOPs spent): the most steps whose training FLOPs fit in
     `budget`, with the capacity warmed up from 1.0 over `warmup_share` of them (each warm-up
     step charged at its own capacity, `tune.capacity_at`)."""
-    from .tune import capacity_at
+    from .tune import capacity_at, warmup_steps
 
     per_step = estimate_flops(cfg, seq_len, batch_size, with_dense=False).train
     plain = max(1, math.floor(budget / per_step))
@@ -258,7 +259,7 @@ def steps_for_budget(
     cost_at: dict[float, float] = {}
 
     def cost(steps: int) -> tuple[int, float]:
-        w = max(1, round(warmup_share * steps))
+        w = warmup_steps(warmup_share, steps)
         total = 0.0
         for s in range(min(w, steps)):
             c = capacity_at(s, cfg.capacity, w)

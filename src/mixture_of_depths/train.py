@@ -63,7 +63,14 @@ from .precision import autocast_for
 from .routing import decision_flips, routing_accuracy, routing_diagnostics
 from .runlock import RunLock
 from .sharded import local_tensors
-from .tune import Distilled, capacity_at, dense_teacher, freeze_all_but_routers, set_capacity
+from .tune import (
+    Distilled,
+    capacity_at,
+    dense_teacher,
+    freeze_all_but_routers,
+    set_capacity,
+    warmup_steps,
+)
 
 CHECKPOINT_NAME = "checkpoint"
 # What a run writes in its folder beside the checkpoint (removed by --overwrite).
@@ -114,11 +121,16 @@ class TrainConfig:
     # Fine-tuning: start a new run from this checkpoint's weights, model config and tokenizer
     # (e.g. a dense model converted by `mod convert`), training "all" parameters or only the
     # "routers" (and predictors); `distill` > 0 adds that weight times KL(frozen dense teacher ||
-    # model); `capacity_warmup` steps take the capacity from 1.0 down to the model's.
+    # model).
     init_from: str | None = None
     tune: str = "all"
     distill: float = 0.0
+    # Capacity warm-up: a routed model's capacity goes linearly from 1.0 down to its own over
+    # the first `capacity_warmup_ratio` of the steps (the second round of the isoFLOP study,
+    # docs/study/round2: 10% lowered the causal loss on both seeds), or over `capacity_warmup`
+    # steps when that is > 0. Its extra compute is spent like any other; 0 and 0.0: none.
     capacity_warmup: int = 0
+    capacity_warmup_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         check_fields(self, TRAIN_RANGES)
@@ -162,7 +174,16 @@ TRAIN_RANGES: dict[str, Range] = {
     "grad_clip": NONNEGATIVE,  # 0 disables clipping
     "distill": NONNEGATIVE,
     "capacity_warmup": NONNEGATIVE_INT,
+    "capacity_warmup_ratio": Range(lo=0, hi=1, hi_open=True),
 }
+
+
+def capacity_warmup_steps(tc: TrainConfig, model_config: MoDConfig) -> int:
+    """The steps of capacity warm-up a run of `tc` gives this model: `capacity_warmup` if set,
+    else `capacity_warmup_ratio` of the steps; none for a model with no routed block."""
+    if model_config.is_dense:
+        return 0
+    return tc.capacity_warmup or warmup_steps(tc.capacity_warmup_ratio, tc.steps)
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -335,6 +356,7 @@ _RESUME_FIXED = (
     "tune",
     "distill",
     "capacity_warmup",
+    "capacity_warmup_ratio",
 )
 
 
@@ -402,6 +424,7 @@ class _Run:
     # The routing decisions on the probe batch at the last evaluation, to count the flips at the
     # next one (`routing_diag` in the log); saved with the checkpoint so a resume counts alike.
     probe_masks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    capacity_warmup: int = 0  # steps of capacity warm-up (`capacity_warmup_steps`)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -472,6 +495,7 @@ def resume_config(out: str | Path, overrides: dict[str, Any] | None = None) -> T
         raise _no_checkpoint(out_dir)
     ckpt = resolve_checkpoint(out_dir / CHECKPOINT_NAME)
     saved = _read_trainer_state(ckpt)["train_config"]
+    saved.setdefault("capacity_warmup_ratio", 0.0)  # written before the ratio: steps only
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
         return TrainConfig(
@@ -646,6 +670,10 @@ def _start(
             "--seq-len or more data"
         ) from exc
     start_step = int(trainer_state["step"]) if trainer_state else 0
+    # Fixed at the start: a resume that extends --steps keeps the warm-up it began with.
+    warmup = capacity_warmup_steps(tc, model_config)
+    if trainer_state:
+        warmup = int(trainer_state.get("capacity_warmup_steps", tc.capacity_warmup))
     if overwrite and not resume and env.is_main:  # only now that the run has passed every check
         _clear_run(out_dir)
     log: Any = _NoLog()
@@ -678,6 +706,7 @@ def _start(
         bad_step=torch.zeros((), dtype=torch.int64, device=device),
         bad_values=torch.zeros(3, device=device),
         probe_masks=unpack_masks(trainer_state.get("routing_probe", {})) if trainer_state else {},
+        capacity_warmup=warmup,
     )
     # The predictor is clipped on its own: its gradient must not rescale the LM's update.
     for name, param in model.named_parameters():
@@ -735,8 +764,8 @@ def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
     lr = lr_at(step, tc)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    if tc.capacity_warmup:
-        set_capacity(run.model, capacity_at(step, run.model_config.capacity, tc.capacity_warmup))
+    if run.capacity_warmup:
+        set_capacity(run.model, capacity_at(step, run.model_config.capacity, run.capacity_warmup))
     x, y = run.sampler.next_batch()
     rows = D.local_rows(run.env, tc.batch_size)
     x, y = x[rows].to(run.device, non_blocking=True), y[rows].to(run.device, non_blocking=True)
@@ -835,7 +864,7 @@ def _log_step(
         losses["moe_loss"] = out.moe_loss.item()
     if out.distill_loss is not None:
         losses["distill_loss"] = out.distill_loss.item()
-    if run.tc.capacity_warmup:
+    if run.capacity_warmup:
         losses["capacity"] = run.model.config.capacity
     if out.expert_routes:
         losses["expert_share"] = expert_slot_shares(out)
@@ -977,6 +1006,7 @@ def _trainer_state(run: _Run, done: int) -> dict[str, Any]:
         "world_size": run.env.world_size,
         "parallel": run.parallel,
         "routing_probe": pack_masks(run.probe_masks),
+        "capacity_warmup_steps": run.capacity_warmup,
     }
 
 

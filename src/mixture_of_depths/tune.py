@@ -83,6 +83,11 @@ class Distilled(nn.Module):
         return out
 
 
+def warmup_steps(ratio: float, steps: int) -> int:
+    """The steps of a capacity warm-up over `ratio` of `steps` (at least one where ratio > 0)."""
+    return max(1, round(ratio * steps)) if ratio > 0 else 0
+
+
 def capacity_at(step: int, target: float, warmup: int) -> float:
     """Linear from 1.0 at step 0 to `target` at step `warmup`, then `target` (rounded to 6
     decimals: capacities are read as the decimals they print as)."""

@@ -297,10 +297,11 @@ def measure(
         feed_ids = torch.randint(0, mod_cfg.vocab_size, (max(args.batch_sizes), N), generator=gen)
     calib_take = None
     if args.calibrate:
-        if mod_cfg.causal_router != "predictor":
+        if not mod_cfg.has_predictor:
             raise SystemExit(
-                "--calibrate needs causal_router='predictor' (the checkpoint has "
-                f"{mod_cfg.causal_router!r}); pass --no-calibrate"
+                "--calibrate needs predictors: causal_router='predictor' and learned router "
+                f"scores (the checkpoint has {mod_cfg.causal_router!r}, "
+                f"{mod_cfg.router_scores!r}); pass --no-calibrate"
             )
         calib = torch.randint(0, mod_cfg.vocab_size, (args.calib_rows, P), generator=gen)
         calib_take = calibrate_predictors(models["mod"], calib.to(device), mod_cfg.capacity)
