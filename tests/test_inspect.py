@@ -172,6 +172,20 @@ def test_spearman_against_the_closed_form_and_scipy():
     assert ci["low"] < ci["rho"] < ci["high"] and ci == bootstrap_spearman(
         ties, noisy, n=200, seed=0
     )
+    # groups of one token each: the clustered bootstrap draws exactly what the plain one draws
+    assert bootstrap_spearman(ties, noisy, n=50, seed=1, groups=torch.arange(300)) == (
+        bootstrap_spearman(ties, noisy, n=50, seed=1)
+    )
+    # 12 rows of 50 tokens, each row one shared level of x and y plus a little noise: rho is high
+    # only by chance across 12 rows, which the token bootstrap (600 "independent" pairs) hides
+    rows = torch.arange(600) // 50
+    gx, gy = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    cx = gx[rows] + 0.1 * torch.randn(600, generator=g)
+    cy = gy[rows] + 0.1 * torch.randn(600, generator=g)
+    plain = bootstrap_spearman(cx, cy, n=300, seed=0)
+    clustered = bootstrap_spearman(cx, cy, n=300, seed=0, groups=rows)
+    assert plain["rho"] == clustered["rho"]
+    assert clustered["high"] - clustered["low"] > 4 * (plain["high"] - plain["low"])
     scipy_stats = pytest.importorskip("scipy.stats")
     assert spearman(ties, noisy) == pytest.approx(
         scipy_stats.spearmanr(ties, noisy).statistic, rel=1e-10

@@ -9,7 +9,7 @@ router weights, the model's predictive entropy and its loss; and over all tokens
 - the longest run of consecutive skipped routers of each token (in layer order), its
   distribution, and the mean loss by run length;
 - Spearman's rho of blocks taken against entropy and against loss, with percentile bootstrap
-  intervals over tokens;
+  intervals over rows (each drawn whole);
 - how often the causal decision and top-k agree, per router;
 - with a `baseline` model (a dense twin trained on the same tokens), each token's excess loss
   (this model's minus the baseline's): a skipper's low loss alone cannot say skipping was free,
@@ -138,14 +138,29 @@ def spearman(x: Tensor, y: Tensor) -> float:
 
 
 def bootstrap_spearman(
-    x: Tensor, y: Tensor, n: int = 1000, seed: int = 0, level: float = 0.95
+    x: Tensor,
+    y: Tensor,
+    n: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    groups: Tensor | None = None,
 ) -> dict[str, float]:
-    """rho, and the percentile bootstrap interval over resampled (x, y) pairs."""
+    """rho, and the percentile bootstrap interval over resampled (x, y) pairs; with `groups`
+    ((N,) ints, e.g. each token's row), over resampled groups, each drawn whole: tokens of one
+    row are not independent, and resampling them alone makes the interval too narrow."""
     g = torch.Generator().manual_seed(seed)
     rho = spearman(x, y)
+    members: list[Tensor] = []
+    if groups is not None and len(x):
+        _, inverse = torch.unique(groups, return_inverse=True)
+        members = [torch.nonzero(inverse == j).flatten() for j in range(int(inverse.max()) + 1)]
     draws = []
     for _ in range(n):
-        idx = torch.randint(0, len(x), (len(x),), generator=g)
+        if groups is None:
+            idx = torch.randint(0, len(x), (len(x),), generator=g)
+        else:
+            pick = torch.randint(0, len(members), (len(members),), generator=g)
+            idx = torch.cat([members[j] for j in pick.tolist()])
         v = spearman(x[idx], y[idx])
         if v == v:  # a resample of constant values has no rho
             draws.append(v)
@@ -237,15 +252,18 @@ def analyse(
     )
     has_next = ~loss.isnan()
     d = depth.double()
-    report.correlations = {
-        "depth_vs_entropy": bootstrap_spearman(d, entropy.double(), bootstrap, seed),
-        "depth_vs_loss": bootstrap_spearman(d[has_next], loss[has_next].double(), bootstrap, seed),
+    rows = report.row
+    report.correlations = {  # intervals by whole rows (a row's tokens are not independent)
+        "depth_vs_entropy": bootstrap_spearman(d, entropy.double(), bootstrap, seed, groups=rows),
+        "depth_vs_loss": bootstrap_spearman(
+            d[has_next], loss[has_next].double(), bootstrap, seed, groups=rows[has_next]
+        ),
     }
     report.independence = independence_test(taken, bootstrap, seed)
     if base_loss is not None:
         # Does the router give compute to the tokens a dense model finds hard?
         report.correlations["depth_vs_baseline_loss"] = bootstrap_spearman(
-            d[has_next], base_loss[has_next], bootstrap, seed
+            d[has_next], base_loss[has_next], bootstrap, seed, groups=rows[has_next]
         )
     return report
 
@@ -573,7 +591,7 @@ def report_md(
         if key not in c:
             continue
         v = c[key]
-        interval = f"95% bootstrap interval {v['low']:+.4f} to {v['high']:+.4f}"
+        interval = f"95% bootstrap interval over rows {v['low']:+.4f} to {v['high']:+.4f}"
         name = key.replace("_", " ")
         lines.append(f"- {name}: Spearman rho {v['rho']:+.4f} ({interval}, n = {v['n']})")
     if classes:
