@@ -1,6 +1,7 @@
-"""The second-round isoFLOP comparison on one CUDA GPU: dense against MoD (the winning causal
-router of `mod study --plan round2`, or the library's default where the CPU study has not
-picked one yet) at 1e16 and 3e16 training FLOPs, bf16 autocast, BPE tokens, 1024 tokens of
+"""The second-round isoFLOP comparison on one CUDA GPU: dense against MoD (the MoD arm of
+`mod study --plan round2`: its winning causal router, with the capacity warm-up where that
+helped; the library's defaults, predictor and a 10% warm-up, where the CPU study has not picked
+one yet) at 1e16 and 3e16 training FLOPs, bf16 autocast, BPE tokens, 1024 tokens of
 context. About ten minutes on one H100/H200-class GPU.
 
     python benchmarks/gpu_study.py                        # into docs/study/round2/gpu/
@@ -26,7 +27,7 @@ import torch
 
 from mixture_of_depths.fileio import json_text
 from mixture_of_depths.study import RunSpec, StudySettings, _budget_tag, load_results, run_one
-from mixture_of_depths.study_round2 import DENSE, FULL, MOD, OUT, winner, write_report
+from mixture_of_depths.study_round2 import DENSE, FULL, MOD, OUT, WARMUP, mod_arm, write_report
 
 SIZES = (
     ("GPU-S", dict(d_model=384, n_layers=8, n_heads=6)),
@@ -49,8 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     budgets = tuple(float(b) for b in args.budgets.split(","))
     cpu_results = load_results(Path(OUT) / "results.jsonl")
-    win = winner(cpu_results)
-    label, over = ("default", {}) if win is None else (win[0], win[2])
+    arm = mod_arm(cpu_results)
+    if arm is None:  # the library's defaults
+        label, over, warmup = "defaults (predictor, 10% warm-up)", {"causal_router": "predictor",
+                              "aux_loss_weight": 0.1}, WARMUP  # fmt: skip
+    else:
+        label, _, over, warmup = arm
     print(f"GPU: {torch.cuda.get_device_name()}; MoD arm: {label}")
     settings = StudySettings(
         budgets=budgets, sizes=SIZES, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                     model={"max_seq_len": args.seq_len, **shape, **arch_over},
                     seq_len=args.seq_len,
                     batch_size=args.batch_size,
+                    capacity_warmup=warmup if arch == "MoD" else 0.0,
                 )
                 if spec.name in done:
                     continue

@@ -361,6 +361,20 @@ def test_checkpoints_with_non_finite_weights_are_neither_written_nor_resumed(cor
         train(None, tc(corpus, out, steps=6), resume=True, progress=False)
 
 
+def test_a_random_score_checkpoint_with_predictors_is_refused_by_name(tmp_path):
+    """Older versions built predictors under random router scores, and they decided its causal
+    routing; this one does not, so such a checkpoint is refused, saying why, not loaded to route
+    differently."""
+    from mixture_of_depths.checkpoint import load_model
+
+    cfg = MoDConfig(**TINY, causal_router="predictor")
+    ck = save_checkpoint(tmp_path / "ck", MoDTransformer(cfg), cfg)
+    saved = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**saved, "router_scores": "random"}))
+    with pytest.raises(CheckpointError, match="predictors under random router scores"):
+        load_model(ck)
+
+
 def test_written_json_is_strict(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     summary = train(MoDConfig(**TINY, layer_pattern="D"), tc(corpus, out, steps=3), progress=False)

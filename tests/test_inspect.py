@@ -185,6 +185,8 @@ def test_spearman_against_the_closed_form_and_scipy():
     plain = bootstrap_spearman(cx, cy, n=300, seed=0)
     clustered = bootstrap_spearman(cx, cy, n=300, seed=0, groups=rows)
     assert plain["rho"] == clustered["rho"]
+    one_row = bootstrap_spearman(cx[:50], cy[:50], n=50, seed=0, groups=rows[:50])
+    assert math.isnan(one_row["low"]) and math.isnan(one_row["high"])  # no interval from one row
     assert clustered["high"] - clustered["low"] > 4 * (plain["high"] - plain["low"])
     scipy_stats = pytest.importorskip("scipy.stats")
     assert spearman(ties, noisy) == pytest.approx(

@@ -65,9 +65,34 @@ def test_study_runs_to_budget_resumes_and_reports(tiny, tmp_path, monkeypatch):
     assert (out / "isoflop.png").exists() and (out / "ablations.png").exists()
     lines = (out / "results.jsonl").read_text().splitlines()
     assert all(json.loads(line)["val_loss_causal"] > 0 for line in lines)
+    for line in lines:  # each row says the routing it was built with, defaults never implied
+        model = json.loads(line)["model"]
+        cfg = MoDConfig(**model)
+        assert (model["causal_router"], model["aux_loss_weight"]) == (
+            cfg.causal_router,
+            cfg.aux_loss_weight,
+        )
     # Rerunning a finished study trains nothing.
     monkeypatch.setattr(st, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
     assert len(st.study(out, work, quick=True, data=data, progress=False)) == len(results)
+
+
+def test_rows_written_before_the_predictor_default_rebuild_as_they_trained(tmp_path):
+    """A row that names no causal router trained with the aux loss at 0.1 (the default then);
+    rows that name their routing, and lines with no model (a metrics log), are read as written."""
+    rows = [
+        {"name": "old", "model": {"layer_pattern": "DR", "d_model": 32}},
+        {"name": "pred", "model": {"layer_pattern": "DR", "causal_router": "predictor"}},
+        {"name": "aux", "model": {"causal_router": "aux_loss", "aux_loss_weight": 0.5}},
+        {"step": 10, "loss": 3.0},
+    ]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = {r.get("name", "log"): r for r in st.load_results(path)}
+    assert got["old"]["model"] == {"layer_pattern": "DR", "d_model": 32, **st.LEGACY_ROUTING}
+    assert MoDConfig(**got["old"]["model"]).aux_loss_weight == 0.1
+    assert got["pred"]["model"] == rows[1]["model"] and got["aux"]["model"] == rows[2]["model"]
+    assert got["log"] == rows[3]
 
 
 def _row(label, seed, topk, causal, params=1e5, fpt=1e6, group="isoflop", budget=1e12, d=32):

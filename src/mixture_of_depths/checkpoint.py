@@ -448,6 +448,17 @@ def load_model(
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise CheckpointError(f"checkpoint {d} does not match its config: {exc}") from None
+    if (
+        unexpected
+        and config.router_scores == "random"
+        and all(".predictor." in k for k in unexpected)
+    ):
+        raise CheckpointError(
+            f"checkpoint {d} has predictors under random router scores, which decided its causal "
+            "routing; this version lets random scores decide by their own noise and builds no "
+            "predictor for them (docs/semantics.md), so the model would route differently: "
+            "load it with the version that wrote it"
+        )
     # Tied weights are stored once; anything else missing is a real mismatch.
     tied = {"lm_head.weight"} if config.tie_embeddings else set()
     if set(missing) - tied or unexpected:

@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="A new run from CHECKPOINT's weights (e.g. a dense model converted by `mod "
         "convert`) that trains only its routers and predictors, by the LM loss (through the "
         "straight-through gate) and the causal-router loss; --distill W adds W x KL(frozen dense "
-        "model || MoD model); --capacity-warmup N takes the capacity from 1.0 down to the "
-        "model's over N steps. The same as `mod train --init-from CHECKPOINT --tune routers`.",
+        "model || MoD model); the capacity goes from 1.0 down to the model's over the first 10% "
+        "of the steps (--capacity-warmup-ratio) or N steps (--capacity-warmup N). The same as "
+        "`mod train --init-from CHECKPOINT --tune routers`.",
     )
     p.add_argument("checkpoint", help="checkpoint to start from")
     p.add_argument("--resume", action="store_true", help="continue this run in --out")

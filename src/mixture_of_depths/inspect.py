@@ -155,6 +155,8 @@ def bootstrap_spearman(
         _, inverse = torch.unique(groups, return_inverse=True)
         members = [torch.nonzero(inverse == j).flatten() for j in range(int(inverse.max()) + 1)]
     draws = []
+    if groups is not None and len(members) < 2:
+        n = 0  # one row drawn again and again is no interval: NaN bounds below
     for _ in range(n):
         if groups is None:
             idx = torch.randint(0, len(x), (len(x),), generator=g)

@@ -215,8 +215,10 @@ def run_one(
         None if resume else cfg, tc, resume=resume, overwrite=not resume, progress=progress
     )
     acc = summary["routing_accuracy"]
+    # The routing as built, not left to defaults that may change (see LEGACY_ROUTING).
+    routing = dict(causal_router=cfg.causal_router, aux_loss_weight=cfg.aux_loss_weight)
     row = {
-        **dataclasses.asdict(spec),
+        **dataclasses.asdict(dataclasses.replace(spec, model={**spec.model, **routing})),
         "steps": steps,
         "tokens": summary["tokens"],
         "params": summary["params"],
@@ -281,15 +283,24 @@ def steps_for_budget(
     return lo, w, spent
 
 
+# Rows written before the predictor became the default (docs/study/round2) may name no causal
+# router: those models trained with the aux loss at 0.1, and are rebuilt so.
+LEGACY_ROUTING = dict(causal_router="aux_loss", aux_loss_weight=0.1)
+
+
 def load_results(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:  # a line cut short by a crash
             continue
+        model = row.get("model") if isinstance(row, dict) else None
+        if isinstance(model, dict) and "causal_router" not in model:
+            row["model"] = {**LEGACY_ROUTING, **model}
+        rows.append(row)
     return rows
 
 

@@ -766,21 +766,26 @@ def _train_step(run: _Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
         group["lr"] = lr
     if run.capacity_warmup:
         set_capacity(run.model, capacity_at(step, run.model_config.capacity, run.capacity_warmup))
+    # Compiled code would recompile for each warm-up capacity (a new k, new shapes) until
+    # dynamo's limit left the rest of the run eager: the warm-up steps run eager instead.
+    step_fn = run.step_fn
+    if tc.compile and step < run.capacity_warmup:
+        step_fn = run.step_fn._orig_mod
     x, y = run.sampler.next_batch()
     rows = D.local_rows(run.env, tc.batch_size)
     x, y = x[rows].to(run.device, non_blocking=True), y[rows].to(run.device, non_blocking=True)
     n = tc.grad_accum
     if n == 1:
         with _autocast(run):
-            out = run.step_fn(x, y)
+            out = step_fn(x, y)
         out.loss.backward()
     else:
         outs = []
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
             # DDP reduces gradients on the last micro-batch only
-            sync = i == n - 1 or not hasattr(run.step_fn, "no_sync")
-            with contextlib.nullcontext() if sync else run.step_fn.no_sync(), _autocast(run):
-                out = run.step_fn(xm, ym)
+            sync = i == n - 1 or not hasattr(step_fn, "no_sync")
+            with contextlib.nullcontext() if sync else step_fn.no_sync(), _autocast(run):
+                out = step_fn(xm, ym)
                 (out.loss / n).backward()
             outs.append(out)
         out = _mean_output(outs)
