@@ -236,8 +236,9 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
         specs.append(dataclasses.replace(spec, name=f"long-dense-s{seed}", group="longer",
                                          budget=s.long_budget))  # fmt: skip
     g = s.grid
-    for seq_len, batch in s.contexts:
-        for budget in g.budgets:
+    # Budget by budget, both contexts at each: a study cut short still compares the contexts.
+    for budget in g.budgets:
+        for seq_len, batch in s.contexts:
             grid = []
             for size, shape in g.sizes_at(budget):
                 for arch, arch_over in (("dense", DENSE), ("MoD", {**MOD, **over})):
