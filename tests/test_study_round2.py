@@ -116,6 +116,13 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     report = (out / "report.md").read_text()
     assert "## Routing ablations" in report and "Winning causal router" in report
     assert "isoFLOP grid" in report and "Not run yet" in report
+    # the summary has a row per budget and context of the grid, the findings' numbers
+    grid = [r for r in results if r["group"] in ("isoflop", "seed")]
+    summary = r2.summary_table(results, r2.QUICK)[2:]  # the rows, past the header
+    cells = {(r["seq_len"], r["budget"]) for r in grid}
+    assert len(summary) == len(cells) and "## Summary" in report
+    for ln in summary:
+        assert ln in report
     assert (out / "diagnosis.png").exists() and (out / "isoflop.png").exists()
     assert not any(work.iterdir())  # run folders deleted once profiled
     monkeypatch.setattr(r2, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))

@@ -550,6 +550,37 @@ def plot_grid(results: list[dict[str, Any]], out: Path, contexts: tuple[tuple[in
     plt.close(fig)
 
 
+def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]:
+    """The headline, one row per budget and context (the README's table); [] before any."""
+    lines = []
+    for budget in s.grid.budgets:
+        for seq_len, _ in s.contexts:
+            rows = [
+                r
+                for r in results
+                if r["group"] in ("isoflop", "seed")
+                and r["seq_len"] == seq_len
+                and r["budget"] == budget
+            ]
+            for b in findings(rows)["budgets"]:
+                d, m = b["best_dense"], b["best_mod"]
+                spread = "-" if b["seed_spread"] is None else f"{b['seed_spread']:.3f}"
+                lines.append(
+                    f"| {seq_len} | {budget:.1e} | {d['label']} ({d['params'] / 1e6:.2f}M): "
+                    f"{d['val_loss']:.4f} | {m['label']} ({m['params'] / 1e6:.2f}M): "
+                    f"{m['val_loss_causal']:.4f} ({m['val_loss_topk']:.4f}) | "
+                    f"{-100 * b['mod_gain']:+.1f}% loss | {spread} | {b['verdict']} |"
+                )
+    if not lines:
+        return []
+    return [
+        "| context | training FLOPs | best dense: loss | best MoD: loss causal (top-k) | "
+        "MoD vs dense | seed spread | verdict |",
+        "|---|---|---|---|---|---|---|",
+        *lines,
+    ]
+
+
 def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) -> None:
     win = winner(results)
     g = s.grid
@@ -597,6 +628,18 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
             "Does learned routing pull away from random routing with more training?",
             "",
             *longer,
+            "",
+        ]
+    summary = summary_table(results, s)
+    if summary:
+        lines += [
+            "## Summary: MoD against dense at equal training FLOPs",
+            "",
+            "The best of each architecture at each budget and context (MoD by its causal loss; "
+            "means over two seeds where a second ran; the seed spread is the largest |seed 0 - "
+            "seed 1| there). Details per context below.",
+            "",
+            *summary,
             "",
         ]
     for seq_len, batch in s.contexts:
