@@ -76,7 +76,9 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     bpe_vocab = make_tokenizer("bpe", train_files).vocab_size
     # 2 seeds x (2 learned + random + dense + rate-matched random + winner's warm-up), then the
     # grid (dense, MoD at one size) and its second seeds
-    assert len(results) == 2 * 6 + 2 * 3 + 2 + 2  # ...and the longer runs (winner, random, dense)
+    # ...and the longer runs (winner, random, dense), the MoD model without its routed blocks
+    # at both budgets
+    assert len(results) == 2 * 6 + 2 * 3 + 2 + 2 + 2 * 2
     for seed in (0, 1):
         rates = by[f"abl-aux-s{seed}"]["causal_take_rate"].values()
         want = ",".join(f"{min(max(v, 1e-4), 1 - 1e-4):.6f}" for v in rates)
@@ -91,8 +93,11 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     arm = f"{win}-warm" if warmup else win
     longer = [r for r in results if r["group"] == "longer"]
     assert sorted(r["name"] for r in longer) == sorted(
-        f"long-{t}-s{sd}" for t in (arm, "rand", "dense") for sd in (0, 1)
+        f"long-{t}-s{sd}" for t in (arm, "rand", "dense", "bare") for sd in (0, 1)
     )
+    for name in ("abl-bare-s0", "long-bare-s1"):  # the routed model's unrouted layers, dense
+        model = by[name]["model"]
+        assert model["layer_pattern"] == "D" and model["n_layers"] == 1
     assert by[f"long-{arm}-s0"]["capacity_warmup"] == warmup
     assert all(r["budget"] == r2.QUICK.long_budget for r in longer)
     mod_grid = [r for r in results if r["group"] in ("isoflop", "seed") and "MoD" in r["label"]]

@@ -7,7 +7,10 @@ place of the sigmoid, the aux-loss router with no gradient from the LM loss, ran
 compute-matched in causal mode (each token takes a block with probability = the capacity) and
 random routing at the aux-loss model's own measured
 per-router take-rates, the dense model of that size, and the winning learned router with a
-capacity warm-up over the first 10% of steps (its extra FLOPs charged to the budget). Every run
+capacity warm-up over the first 10% of steps (its extra FLOPs charged to the budget); then the
+winner (with the warm-up where it helped), random routing and dense trained 3.3x longer, and the
+MoD model without its routed blocks (its unrouted layers alone, dense) at both budgets: does the
+routed compute do anything at this size? Every run
 logs the routing diagnostics at ten evaluations (`routing_diag` in its metrics, copied to
 ``<out>/metrics/``), and its checkpoint is profiled with `inspect.analyse` before it is deleted:
 blocks taken per token, the share of takes that go to newline tokens, and Spearman's rho of
@@ -235,7 +238,17 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
         spec = _ablation(s, "dense", "dense", DENSE, seed)
         specs.append(dataclasses.replace(spec, name=f"long-dense-s{seed}", group="longer",
                                          budget=s.long_budget))  # fmt: skip
+    # Does the routed compute do anything at this size? The MoD model less its routed blocks:
+    # its unrouted layers alone, a dense model, at both budgets.
     g = s.grid
+    layers = dict(g.sizes)[g.ablation_size]["n_layers"] // 2
+    bare = {**DENSE, "n_layers": layers}
+    bare_label = f"dense, {layers} layers (the MoD model without its routed blocks)"
+    for seed in SEEDS:
+        specs.append(_ablation(s, bare_label, "bare", bare, seed))
+        spec = _ablation(s, bare_label, "bare", bare, seed)
+        specs.append(dataclasses.replace(spec, name=f"long-bare-s{seed}", group="longer",
+                                         budget=s.long_budget))  # fmt: skip
     # Budget by budget, both contexts at each: a study cut short still compares the contexts.
     for budget in g.budgets:
         for seq_len, batch in s.contexts:
