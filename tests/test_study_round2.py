@@ -164,3 +164,49 @@ def test_second_seeds_go_to_the_best_two_sizes_of_each_architecture():
         f"ctx256-5e13-{n}-s1" for n in ("dense-S", "dense-M", "MoD-S", "MoD-XS")
     )
     assert all(sp.seed == 1 and sp.group == "seed" for sp in seeds)
+
+
+@pytest.mark.parametrize("optimum", [{1.5e13: "XXS", 5e13: "S", 1.5e14: "L"},
+                                     {1.5e13: "M", 5e13: "XS", 1.5e14: "M"}])  # fmt: skip
+def test_the_grid_brackets_each_architectures_best_size(optimum):
+    """A simulated study (losses from a U-shaped curve in size, least at `optimum[budget]`; MoD's
+    one size smaller): every isoFLOP curve ends with its least loss at a size with tried sizes
+    on both sides (or at the end of the sizes there are), and no size is tried that no
+    curve's search called for."""
+    names = [n for n, _ in r2.FULL.grid.sizes]
+
+    def loss(spec: RunSpec) -> float:
+        if spec.group not in ("isoflop", "seed"):
+            return 4.0 + 0.01 * len(spec.name)  # any winner will do
+        size = spec.label.split(" ")[1]
+        best = names.index(optimum[spec.budget]) - (spec.label.startswith("MoD") and 1)
+        return 3.0 + (names.index(size) - best) ** 2 + 0.001 * spec.seed
+
+    results: list[dict] = []
+    while pending := [sp for sp in r2.plan(r2.FULL, results)
+                      if sp.name not in {r["name"] for r in results}]:  # fmt: skip
+        sp = pending[0]
+        results.append({**dataclasses.asdict(sp), "val_loss_causal": loss(sp),
+                        "causal_take_rate": {"1": 0.1, "3": 0.12}})  # fmt: skip
+    for budget in r2.FULL.grid.budgets:
+        for seq_len, _ in r2.FULL.contexts:
+            tried = {}
+            for r in results:
+                if r["group"] == "isoflop" and (r["budget"], r["seq_len"]) == (budget, seq_len):
+                    arch, size = r["label"].split(" ")
+                    tried.setdefault(arch, set()).add(names.index(size))
+            assert tried["dense"] == tried["MoD"]  # both architectures at every size tried
+            for arch, idx in tried.items():
+                best = min(idx, key=lambda i: loss(RunSpec(
+                    name="", group="isoflop", label=f"{arch} {names[i]}", budget=budget,
+                    model={})))  # fmt: skip
+                assert best - 1 in idx or best == 0
+                assert best + 1 in idx or best == len(names) - 1
+            # the a-priori three, plus only what bracketing needed
+            start = {names.index(n) for n, _ in r2.FULL.grid.sizes_at(budget)}
+            for i in sorted(tried["dense"] - start):
+                assert any(abs(i - (names.index(optimum[budget]) - off)) <= 1 for off in (0, 1)), (
+                    budget,
+                    seq_len,
+                    names[i],
+                )

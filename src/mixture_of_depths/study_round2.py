@@ -19,8 +19,9 @@ blocks taken against the predictive entropy.
 Phase 2, the isoFLOP grid: dense against MoD with the winning causal router (lowest mean causal
 loss over the two seeds among the learned variants), BPE tokens (vocabulary 4096, trained once
 and cached), at 256 and 1024 tokens of context with 4096 tokens per step, three budgets up to
-1.5e14 training FLOPs, three sizes at each; the best two sizes of each architecture at each
-budget train again with a second seed. About 14 hours on 2 CPU cores (~90 GFLOP/s), so it runs
+1.5e14 training FLOPs, three sizes at each (and the next size out wherever an architecture's best
+lands on an edge, so each curve shows its minimum); the best two sizes of each architecture at
+each budget train again with a second seed. About 14 hours on 2 CPU cores (~90 GFLOP/s), so it runs
 over several sessions: rerun to resume.
 
 Runs, resumption and FLOP accounting are `study.py`'s: an interrupted study resumes where it
@@ -66,14 +67,16 @@ class Round2Settings:
 
 
 _SIZES = (
+    ("XXS", dict(d_model=48, n_layers=4, n_heads=3)),
     ("XS", dict(d_model=64, n_layers=4, n_heads=4)),
     ("S", dict(d_model=96, n_layers=4, n_heads=4)),
     ("M", dict(d_model=128, n_layers=6, n_heads=4)),
     ("L", dict(d_model=192, n_layers=6, n_heads=6)),
 )
 
-# Sizes bracket the compute-optimal size of each budget; far-off sizes are left out where a run
-# would cost the most. The ablations use S at the smallest budget (~2 minutes a run).
+# Three sizes around each budget's expected compute-optimal size; where an architecture's best
+# size lands on the edge of those, `plan` adds the next size out (`_bracket`), so every isoFLOP
+# curve shows its minimum. The ablations use S at the smallest budget (~2 minutes a run).
 FULL = Round2Settings(
     grid=StudySettings(
         budgets=(1.5e13, 5e13, 1.5e14),
@@ -84,7 +87,7 @@ FULL = Round2Settings(
         eval_batches=8,
         base={},
         ablation_size="S",
-        skip=((1.5e13, ("L",)), (5e13, ("XS",)), (1.5e14, ("XS",))),
+        skip=((1.5e13, ("XXS", "L")), (5e13, ("XXS", "XS")), (1.5e14, ("XXS", "XS"))),
         tokenizer="bpe",
     ),
     contexts=((256, 16), (1024, 4)),
@@ -252,25 +255,48 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     # Budget by budget, both contexts at each: a study cut short still compares the contexts.
     for budget in g.budgets:
         for seq_len, batch in s.contexts:
-            grid = []
-            for size, shape in g.sizes_at(budget):
-                for arch, arch_over in (("dense", DENSE), ("MoD", {**MOD, **over})):
-                    grid.append(
-                        RunSpec(
-                            name=f"ctx{seq_len}-{_budget_tag(budget)}-{arch}-{size}-s0",
-                            group="isoflop",
-                            label=f"{arch} {size}",
-                            budget=budget,
-                            model={"max_seq_len": seq_len, **shape, **arch_over},
-                            seq_len=seq_len,
-                            batch_size=batch,
-                            capacity_warmup=warmup if arch == "MoD" else 0.0,
-                        )
+            sizes = [size for size, _ in g.sizes_at(budget)]
+            while True:
+                grid = [
+                    RunSpec(
+                        name=f"ctx{seq_len}-{_budget_tag(budget)}-{arch}-{size}-s0",
+                        group="isoflop",
+                        label=f"{arch} {size}",
+                        budget=budget,
+                        model={"max_seq_len": seq_len, **dict(g.sizes)[size], **arch_over},
+                        seq_len=seq_len,
+                        batch_size=batch,
+                        capacity_warmup=warmup if arch == "MoD" else 0.0,
                     )
+                    for size in sizes
+                    for arch, arch_over in (("dense", DENSE), ("MoD", {**MOD, **over}))
+                ]
+                if not all(sp.name in by_name for sp in grid):
+                    break
+                more = _bracket([by_name[sp.name] for sp in grid], sizes, [n for n, _ in g.sizes])
+                if not more:
+                    break
+                sizes = sorted({*sizes, *more}, key=[n for n, _ in g.sizes].index)
             specs += grid
             if all(sp.name in by_name for sp in grid):
                 specs += _second_seeds([by_name[sp.name] for sp in grid])
     return specs
+
+
+def _bracket(rows: list[dict[str, Any]], tried: list[str], sizes: list[str]) -> set[str]:
+    """The sizes to add so that each architecture's best size (seed 0; MoD by its causal loss)
+    has a tried size on both sides: the next size out where the best is the smallest or the
+    largest tried, if `sizes` (smallest first) holds one."""
+    more = set()
+    for arch in ("dense", "MoD"):
+        mine = [r for r in rows if r["label"].startswith(arch + " ")]
+        best = min(mine, key=lambda r: r["val_loss_causal"])["label"].split(" ", 1)[1]
+        i = sizes.index(best)
+        if best == tried[0] and i > 0:
+            more.add(sizes[i - 1])
+        if best == tried[-1] and i + 1 < len(sizes):
+            more.add(sizes[i + 1])
+    return more - set(tried)
 
 
 def _second_seeds(rows: list[dict[str, Any]]) -> list[RunSpec]:
