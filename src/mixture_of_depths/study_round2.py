@@ -680,6 +680,10 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
             "",
             *summary,
             "",
+            "Throughput (tok/s) in the tables below is each run's own log, on 2 shared CPU "
+            "cores with other work at times beside it: indicative only (`mod bench` measures "
+            "speed).",
+            "",
         ]
     for seq_len, batch in s.contexts:
         rows = [r for r in results if r["group"] in ("isoflop", "seed") and r["seq_len"] == seq_len]
