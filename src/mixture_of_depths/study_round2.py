@@ -67,6 +67,7 @@ class Round2Settings:
 
 
 _SIZES = (
+    ("XXXS", dict(d_model=32, n_layers=4, n_heads=2)),
     ("XXS", dict(d_model=48, n_layers=4, n_heads=3)),
     ("XS", dict(d_model=64, n_layers=4, n_heads=4)),
     ("S", dict(d_model=96, n_layers=4, n_heads=4)),
@@ -87,7 +88,11 @@ FULL = Round2Settings(
         eval_batches=8,
         base={},
         ablation_size="S",
-        skip=((1.5e13, ("XXS", "L")), (5e13, ("XXS", "XS")), (1.5e14, ("XXS", "XS"))),
+        skip=(
+            (1.5e13, ("XXXS", "XXS", "L")),
+            (5e13, ("XXXS", "XXS", "XS")),
+            (1.5e14, ("XXXS", "XXS", "XS")),
+        ),
         tokenizer="bpe",
     ),
     contexts=((256, 16), (1024, 4)),
