@@ -123,7 +123,7 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     assert "isoFLOP grid" in report and "Not run yet" in report
     # the summary has a row per budget and context of the grid, the findings' numbers
     grid = [r for r in results if r["group"] in ("isoflop", "seed")]
-    summary = r2.summary_table(results, r2.QUICK)[2:]  # the rows, past the header
+    summary = [ln for ln in r2.summary_table(results, r2.QUICK)[2:] if ln.startswith("| ")]
     cells = {(r["seq_len"], r["budget"]) for r in grid}
     assert len(summary) == len(cells) and "## Summary" in report
     for ln in summary:
@@ -186,8 +186,11 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
     while pending := [sp for sp in r2.plan(r2.FULL, results)
                       if sp.name not in {r["name"] for r in results}]:  # fmt: skip
         sp = pending[0]
+        stats = dict(params=1, flops_per_forward_token=1.0, tokens_per_s=1.0,
+                     routing_accuracy_mean=None)  # fmt: skip
         results.append({**dataclasses.asdict(sp), "val_loss_causal": loss(sp),
-                        "causal_take_rate": {"1": 0.1, "3": 0.12}})  # fmt: skip
+                        "val_loss_topk": loss(sp), "causal_take_rate": {"1": 0.1, "3": 0.12},
+                        **stats})  # fmt: skip
     for budget in r2.FULL.grid.budgets:
         for seq_len, _ in r2.FULL.contexts:
             tried = {}
@@ -202,6 +205,11 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
                     model={})))  # fmt: skip
                 assert best - 1 in idx or best == 0
                 assert best + 1 in idx or best == len(names) - 1
+                # the summary marks a best size only where it is the first or last there is
+                edge = best in (0, len(names) - 1)
+                row = [ln for ln in r2.summary_table(results, r2.FULL)
+                       if ln.startswith(f"| {seq_len} | {budget:.1e} |")]  # fmt: skip
+                assert len(row) == 1 and (f"{arch} {names[best]}{r2.EDGE} (" in row[0]) == edge
             # the a-priori three, plus only what bracketing needed
             start = {names.index(n) for n, _ in r2.FULL.grid.sizes_at(budget)}
             for i in sorted(tried["dense"] - start):

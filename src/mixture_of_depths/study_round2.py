@@ -595,7 +595,9 @@ def plot_grid(results: list[dict[str, Any]], out: Path, contexts: tuple[tuple[in
 
 
 def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]:
-    """The headline, one row per budget and context (the README's table); [] before any."""
+    """The headline, one row per budget and context (the README's table); [] before any. A best
+    size at the edge of the sizes tried there is marked: its curve's minimum may lie beyond."""
+    order = [n for n, _ in s.grid.sizes]
     lines = []
     for budget in s.grid.budgets:
         for seq_len, _ in s.contexts:
@@ -606,8 +608,13 @@ def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]
                 and r["seq_len"] == seq_len
                 and r["budget"] == budget
             ]
+            tried = sorted({r["label"].split(" ", 1)[1] for r in rows}, key=order.index)
             for b in findings(rows)["budgets"]:
-                d, m = b["best_dense"], b["best_mod"]
+                d, m = (
+                    {**x, "label": x["label"] + EDGE * (x["label"].split(" ", 1)[1] in
+                                                        (tried[0], tried[-1]))}
+                    for x in (b["best_dense"], b["best_mod"])
+                )  # fmt: skip
                 spread = "-" if b["seed_spread"] is None else f"{b['seed_spread']:.3f}"
                 lines.append(
                     f"| {seq_len} | {budget:.1e} | {d['label']} ({d['params'] / 1e6:.2f}M): "
@@ -622,7 +629,14 @@ def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]
         "MoD vs dense | seed spread | verdict |",
         "|---|---|---|---|---|---|---|",
         *lines,
+        "",
+        f"{EDGE} the smallest or largest size tried there (sizes run from {order[0]} to "
+        f"{order[-1]}; the grid adds the next one out while one is left): that curve's minimum "
+        "may lie beyond it.",
     ]
+
+
+EDGE = "\u2020"
 
 
 def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) -> None:
