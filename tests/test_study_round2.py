@@ -180,7 +180,8 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
             return 4.0 + 0.01 * len(spec.name)  # any winner will do
         size = spec.label.split(" ")[1]
         best = names.index(optimum[spec.budget]) - (spec.label.startswith("MoD") and 1)
-        return 3.0 + (names.index(size) - best) ** 2 + 0.001 * spec.seed
+        d = names.index(size) - best  # lopsided, so no two sizes tie
+        return 3.0 + d**2 + 0.1 * d + 0.001 * spec.seed
 
     results: list[dict] = []
     while pending := [sp for sp in r2.plan(r2.FULL, results)
@@ -210,6 +211,13 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
                 row = [ln for ln in r2.summary_table(results, r2.FULL)
                        if ln.startswith(f"| {seq_len} | {budget:.1e} |")]  # fmt: skip
                 assert len(row) == 1 and (f"{arch} {names[best]}{r2.EDGE} (" in row[0]) == edge
+                # second seeds: the best two of the final curve, and only those
+                first = {names[i]: loss(RunSpec(name="", group="isoflop", label=f"{arch} "
+                         f"{names[i]}", budget=budget, model={})) for i in idx}  # fmt: skip
+                seeded = {r["label"].split(" ")[1] for r in results if r["group"] == "seed"
+                          and r["label"].startswith(arch + " ") and r["budget"] == budget
+                          and r["seq_len"] == seq_len}  # fmt: skip
+                assert seeded == set(sorted(first, key=first.get)[:2])
             # the a-priori three, plus only what bracketing needed
             start = {names.index(n) for n, _ in r2.FULL.grid.sizes_at(budget)}
             for i in sorted(tried["dense"] - start):
@@ -218,3 +226,27 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
                     seq_len,
                     names[i],
                 )
+
+
+def _row(arch: str, size: str, seed: int, loss: float) -> dict:
+    group = "seed" if seed else "isoflop"
+    spec = RunSpec(name=f"ctx256-5e13-{arch}-{size}-s{seed}", group=group, label=f"{arch} {size}",
+                   budget=5e13, model=r2.DENSE if arch == "dense" else r2.MOD, seq_len=256,
+                   seed=seed)  # fmt: skip
+    return {**dataclasses.asdict(spec), "val_loss_causal": loss, "val_loss_topk": loss,
+            "params": 1, "flops_per_forward_token": 1.0, "tokens_per_s": 1.0,
+            "routing_accuracy_mean": None}  # fmt: skip
+
+
+def test_bracketing_follows_the_seeds_mean_as_the_summary_does():
+    names = [n for n, _ in r2.FULL.grid.sizes]
+    tried = ["S", "M", "L"]
+    rows = [_row("dense", sz, 0, v) for sz, v in zip(tried, (3.70, 3.69, 3.80), strict=True)]
+    rows += [_row("MoD", sz, 0, v) for sz, v in zip(tried, (3.60, 3.50, 3.55), strict=True)]
+    assert r2._bracket(rows, tried, names) == set()  # both bests inside on seed 0
+    # a second seed moves dense's mean best to S, the smallest tried: XS goes in
+    seeded = [*rows, _row("dense", "S", 1, 3.60), _row("dense", "M", 1, 3.75)]
+    assert r2._bracket(seeded, tried, names) == {"XS"}
+    # and the summary marks that best size (an edge of those tried, not of all sizes)
+    (line,) = [ln for ln in r2.summary_table(seeded, r2.FULL) if ln.startswith("| 256 |")]
+    assert f"dense S{r2.EDGE} (" in line and "MoD M (" in line

@@ -46,6 +46,7 @@ from .study import (
     RunSpec,
     StudySettings,
     _budget_tag,
+    _mean_seeds,
     findings,
     format_findings,
     load_results,
@@ -276,9 +277,12 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
                     for size in sizes
                     for arch, arch_over in (("dense", DENSE), ("MoD", {**MOD, **over}))
                 ]
-                if not all(sp.name in by_name for sp in grid):
+                if not grid or not all(sp.name in by_name for sp in grid):
                     break
-                more = _bracket([by_name[sp.name] for sp in grid], sizes, [n for n, _ in g.sizes])
+                # second seeds, where in, count too: the summary's best is the seeds' mean
+                seeded = [by_name.get(sp.name[:-3] + "-s1") for sp in grid]
+                rows = [by_name[sp.name] for sp in grid] + [r for r in seeded if r is not None]
+                more = _bracket(rows, sizes, [n for n, _ in g.sizes])
                 if not more:
                     break
                 sizes = sorted({*sizes, *more}, key=[n for n, _ in g.sizes].index)
@@ -289,13 +293,16 @@ def plan(s: Round2Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
 
 
 def _bracket(rows: list[dict[str, Any]], tried: list[str], sizes: list[str]) -> set[str]:
-    """The sizes to add so that each architecture's best size (seed 0; MoD by its causal loss)
-    has a tried size on both sides: the next size out where the best is the smallest or the
-    largest tried, if `sizes` (smallest first) holds one."""
+    """The sizes to add so that each architecture's best size (by the mean over the seeds in
+    `rows`; MoD by its causal loss, as `findings` judges) has a tried size on both sides: the
+    next size out where the best is the smallest or the largest tried, if `sizes` (smallest
+    first) holds one."""
     more = set()
     for arch in ("dense", "MoD"):
-        mine = [r for r in rows if r["label"].startswith(arch + " ")]
-        best = min(mine, key=lambda r: r["val_loss_causal"])["label"].split(" ", 1)[1]
+        mine = _mean_seeds(
+            [r for r in rows if r["label"].startswith(arch + " ")], "val_loss_causal"
+        )
+        best = min(mine, key=mine.get).split(" ", 1)[1]
         i = sizes.index(best)
         if best == tried[0] and i > 0:
             more.add(sizes[i - 1])
