@@ -95,6 +95,17 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     assert sorted(r["name"] for r in longer) == sorted(
         f"long-{t}-s{sd}" for t in (arm, "rand", "dense", "bare") for sd in (0, 1)
     )
+    # a grid run that is an ablation run again (same model, budget, seed, context, warm-up) is
+    # reused, not retrained: its numbers are the twin's, and it is still a grid row
+    reused = [r for r in results if "same_run_as" in r]
+    assert by["ctx32-3e09-dense-S-s0"].get("same_run_as") == "abl-dense-s0"
+    for r in reused:
+        twin = by[r["same_run_as"]]
+        assert twin["group"] != r["group"] and r["val_loss_causal"] == twin["val_loss_causal"]
+        assert {k: r[k] for k in ("model", "budget", "seed", "seq_len", "capacity_warmup")} == {
+            k: twin[k] for k in ("model", "budget", "seed", "seq_len", "capacity_warmup")
+        }
+    assert not any("random" in r["model"].get("router_scores", "") for r in reused)
     for name in ("abl-bare-s0", "long-bare-s1"):  # the routed model's unrouted layers, dense
         model = by[name]["model"]
         assert model["layer_pattern"] == "D" and model["n_layers"] == 1
@@ -250,3 +261,21 @@ def test_bracketing_follows_the_seeds_mean_as_the_summary_does():
     # and the summary marks that best size (an edge of those tried, not of all sizes)
     (line,) = [ln for ln in r2.summary_table(seeded, r2.FULL) if ln.startswith("| 256 |")]
     assert f"dense S{r2.EDGE} (" in line and "MoD M (" in line
+
+
+def test_twin_is_the_same_training_run_only():
+    shape = dict(r2.FULL.grid.sizes)[r2.FULL.grid.ablation_size]
+    model = {"max_seq_len": 256, **shape, **r2.MOD, "causal_router": "predictor"}
+    spec = RunSpec(name="ctx256-5e13-MoD-S-s0", group="isoflop", label="MoD S", budget=5e13,
+                   model=model, seq_len=256, batch_size=16, capacity_warmup=0.1)  # fmt: skip
+    # the finished run records its model as built: the vocabulary and the resolved routing
+    built = dataclasses.asdict(MoDConfig(**{**model, "vocab_size": 4096}))
+    done = {**dataclasses.asdict(spec), "name": "long-pred-warm-s0", "group": "longer",
+            "evaluations": 10, "model": built}  # fmt: skip
+    assert r2._twin(spec, [done]) is done
+    for change in (dict(seed=1), dict(capacity_warmup=0.0), dict(batch_size=8), dict(seq_len=128),
+                   dict(budget=1.5e13), dict(model={**model, "d_model": 64}),
+                   dict(model={**model, "router_scores": "random"})):  # fmt: skip
+        assert r2._twin(dataclasses.replace(spec, **change), [done]) is None, change
+    rand = dataclasses.replace(spec, model={**model, "router_scores": "random"})
+    assert r2._twin(rand, [{**done, "model": {**built, "router_scores": "random"}}]) is None

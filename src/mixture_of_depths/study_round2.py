@@ -40,6 +40,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .config import MoDConfig
 from .fileio import atomic_write_text, json_text
 from .study import (
     AUX_ROUTING,
@@ -351,6 +352,19 @@ def run(
         spec = pending[0]
         bar.total = len(done) + len(pending)
         bar.set_postfix_str(spec.name)
+        twin = _twin(spec, results)
+        if twin is not None:  # the same run, already done under another name: reuse it
+            row = {**twin, "name": spec.name, "group": spec.group, "label": spec.label,
+                   "evaluations": spec.evaluations, "same_run_as": twin["name"]}  # fmt: skip
+            row.pop("profile", None)
+            shutil.copyfile(out / "metrics" / f"{twin['name']}.jsonl",
+                            out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
+            with results_path.open("a") as fh:
+                fh.write(json_text(row) + "\n")
+            results.append(row)
+            done.add(spec.name)
+            bar.update(1)
+            continue
         row = run_one(spec, s.grid, work, data, progress)
         folder = work / spec.name
         shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
@@ -371,6 +385,23 @@ def run(
     bar.close()
     write_report(results, out, s)
     return results
+
+
+def _twin(spec: RunSpec, results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A finished run that trained exactly what `spec` would: the same model, budget, seed,
+    context, batch and warm-up (the grid's size-S runs at the ablation and longer budgets are
+    the ablations' dense and MoD-arm runs again). Evaluations do not change training, except
+    where random routing draws its noise at evaluation too, so those are never reused."""
+    if spec.model.get("router_scores") == "random":
+        return None
+    keys = ("budget", "seed", "seq_len", "batch_size", "capacity_warmup")
+    for r in results:
+        if any(r.get(k) != getattr(spec, k) for k in keys):
+            continue
+        vocab = r["model"].get("vocab_size")
+        if MoDConfig(**{**spec.model, "vocab_size": vocab}) == MoDConfig(**r["model"]):
+            return r
+    return None
 
 
 def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
