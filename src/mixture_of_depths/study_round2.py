@@ -21,7 +21,7 @@ loss over the two seeds among the learned variants), BPE tokens (vocabulary 4096
 and cached), at 256 and 1024 tokens of context with 4096 tokens per step, three budgets up to
 1.5e14 training FLOPs, three sizes at each (and the next size out wherever an architecture's best
 lands on an edge, so each curve shows its minimum); the best two sizes of each architecture at
-each budget train again with a second seed. About 14 hours on 2 CPU cores (~90 GFLOP/s), so it runs
+each budget train again with a second seed. About 20 hours on 2 CPU cores (~90 GFLOP/s), so it runs
 over several sessions: rerun to resume.
 
 Runs, resumption and FLOP accounting are `study.py`'s: an interrupted study resumes where it
