@@ -345,6 +345,14 @@ def run(
     done = {r["name"] for r in results}
     bar = tqdm(desc="round 2", unit="run", initial=len(done), disable=not progress)
     new = 0
+
+    def record(row: dict[str, Any]) -> None:
+        with results_path.open("a") as fh:
+            fh.write(json_text(row) + "\n")
+        results.append(row)
+        done.add(row["name"])
+        bar.update(1)
+
     while max_runs is None or new < max_runs:
         pending = [sp for sp in plan(s, results) if sp.name not in done]
         if not pending:
@@ -359,11 +367,7 @@ def run(
             row.pop("profile", None)
             shutil.copyfile(out / "metrics" / f"{twin['name']}.jsonl",
                             out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
-            with results_path.open("a") as fh:
-                fh.write(json_text(row) + "\n")
-            results.append(row)
-            done.add(spec.name)
-            bar.update(1)
+            record(row)
             continue
         row = run_one(spec, s.grid, work, data, progress)
         folder = work / spec.name
@@ -374,12 +378,8 @@ def run(
             and spec.model["layer_pattern"] != "D"
         ):
             row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
-        with results_path.open("a") as fh:
-            fh.write(json_text(row) + "\n")
-        results.append(row)
-        done.add(spec.name)
+        record(row)
         new += 1
-        bar.update(1)
         write_report(results, out, s)
         shutil.rmtree(folder, ignore_errors=True)
     bar.close()
