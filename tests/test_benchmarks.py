@@ -62,6 +62,12 @@ ROOT = Path(__file__).resolve().parents[1]
             {"rows", "params"},
         ),
         (
+            "malloc.py",
+            "--vocab 300 --d-model 16 --n-heads 2 --seq-len 32 --batch-size 2 --steps 2 "
+            "--warmup 1 --rounds 1".split(),
+            {"median", "speedup", "applied"},
+        ),
+        (
             "gpu.py",
             ["--preset", "tiny", "--seq-lens", "32", "--tokens", "64", "--repeats", "1"],
             {"gpu"} if not torch.cuda.is_available() else {"train", "bars"},

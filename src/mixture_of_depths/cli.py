@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import FIELD_CHOICES, PRESETS, MoDConfig
 from .fileio import json_text
+from .malloc import keep_freed_memory
 
 DEFAULT_PRESET = "small"
 
@@ -811,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         "presets": cmd_presets,
     }
     try:
+        keep_freed_memory()  # reuse freed blocks: page faults took a third of a CPU step
         return handlers[args.command](args)
     except (ValueError, OSError, RuntimeError) as exc:  # our errors say what to do
         print(f"mod {args.command}: error: {exc}", file=sys.stderr)
