@@ -49,11 +49,12 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        gnu = libc.gnu_get_libc_version  # glibc only: musl's mallopt ignores these
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del gnu
+    # glibc only: musl has no gnu_get_libc_version and its mallopt ignores these parameters
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success. Large blocks then come from the heap (another thread's
