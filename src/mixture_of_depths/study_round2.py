@@ -739,7 +739,10 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
             "",
             "Throughput (tok/s) in the tables below is each run's own log, on 2 shared CPU "
             "cores with other work at times beside it: indicative only (`mod bench` measures "
-            "speed).",
+            "speed). From `ctx1024-5e13-dense-XXXS-s0` on, the runs kept freed memory for "
+            "reuse (`mod`'s malloc setting, see the README's 'CPU training'), which made them up "
+            "to 1.8 times faster with the same numbers: speeds on either side of that run do "
+            "not compare.",
             "",
         ]
     for seq_len, batch in s.contexts:
