@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(out))
         return out
 
+    from mixture_of_depths.malloc import ENV, user_malloc_settings
+
     # the arms' own settings decide, not the caller's: clear any malloc tuning from the env
-    tuning = ("GLIBC_TUNABLES", "MOD_KEEP_FREED_MEMORY")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in tuning}
+    drop = {ENV, *user_malloc_settings(os.environ)}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     argv = list(argv if argv is not None else sys.argv[1:])
     runs: dict[str, list[dict]] = {a: [] for a in ARMS}
     for rnd in range(args.rounds):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mixture_of_depths.malloc import ENV, keep_freed_memory
+from mixture_of_depths.malloc import ENV, keep_freed_memory, user_malloc_settings
 
 # A child process: optionally apply the setting, then allocate, fill and free a 64 MiB tensor
 # (a BPE step's logits) 15 times; print whether it applied and the minor faults of the last 10.
@@ -38,8 +38,8 @@ glibc_linux = pytest.mark.skipif(
 
 
 def _child(apply: bool, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != ENV}
-    clean.pop("GLIBC_TUNABLES", None)
+    drop = {ENV, *user_malloc_settings(os.environ)}
+    clean = {k: v for k, v in os.environ.items() if k not in drop}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, "1" if apply else "0"],
         env={**clean, **env}, capture_output=True, text=True, check=True, timeout=120,
@@ -76,3 +76,14 @@ def test_bad_setting_is_named(monkeypatch):
     monkeypatch.setenv(ENV, "yes")
     with pytest.raises(ValueError, match="MOD_KEEP_FREED_MEMORY must be '0' or '1', got 'yes'"):
         keep_freed_memory()
+
+
+def test_user_malloc_settings_names_only_malloc_tuning():
+    env = {
+        "MALLOC_ARENA_MAX_": "2",  # glibc's form: trailing underscore
+        "MALLOC_CONF": "x",  # jemalloc's, not glibc's
+        "GLIBC_TUNABLES": "glibc.rtld.nns=2:glibc.malloc.tcache_count=0",
+        "PATH": "/bin",
+    }
+    assert sorted(user_malloc_settings(env)) == ["GLIBC_TUNABLES", "MALLOC_ARENA_MAX_"]
+    assert user_malloc_settings({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) == []

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Mapping
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -26,6 +27,15 @@ _M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1
 
 ENV = "MOD_KEEP_FREED_MEMORY"  # "0" leaves glibc's defaults alone
+
+
+def user_malloc_settings(env: Mapping[str, str]) -> list[str]:
+    """Names of the variables in ``env`` that tune glibc's malloc, which ``keep_freed_memory``
+    leaves alone: ``MALLOC_*_`` variables and a ``GLIBC_TUNABLES`` that sets ``glibc.malloc``."""
+    names = [k for k in env if k.startswith("MALLOC_") and k.endswith("_")]
+    if "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
+        names.append("GLIBC_TUNABLES")
+    return names
 
 
 def keep_freed_memory() -> bool:
@@ -40,9 +50,7 @@ def keep_freed_memory() -> bool:
         raise ValueError(f"{ENV} must be '0' or '1', got {setting!r}")
     if setting == "0" or not sys.platform.startswith("linux"):
         return False
-    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(
-        k.startswith("MALLOC_") and k.endswith("_") for k in os.environ
-    ):
+    if user_malloc_settings(os.environ):
         return False
     name = ctypes.util.find_library("c")
     if name is None:
