@@ -812,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         "presets": cmd_presets,
     }
     try:
-        keep_freed_memory()  # reuse freed blocks: page faults took a third of a CPU step
+        keep_freed_memory()  # reuse freed blocks: page faults took a third of a BPE step on CPU
         return handlers[args.command](args)
     except (ValueError, OSError, RuntimeError) as exc:  # our errors say what to do
         print(f"mod {args.command}: error: {exc}", file=sys.stderr)
