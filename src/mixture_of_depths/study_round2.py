@@ -479,7 +479,7 @@ def ablation_table(results: list[dict[str, Any]], group: str = "ablation") -> li
     lines = [
         f"| variant | seeds | loss top-k | loss causal | seed spread | vs {vs_what} (causal) | "
         "causal take-rate | routing acc. | tokens taking no block | newline share of takes "
-        "(text) | rho blocks~entropy |",
+        "(their share of the text) | Spearman's rho, blocks taken vs entropy |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rows in groups:
@@ -702,8 +702,11 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
         "",
         "Random routing's causal decision takes each token with the capacity's probability (or "
         "the aux-loss model's measured rates), so its compute matches learned routing's in both "
-        "modes. The routing profile (last three columns) is each seed's (seed 0 / seed 1), on "
-        "held-out text.",
+        "modes. Causal take-rate: the share of tokens a routed block takes in causal mode (the "
+        "capacity is 12.5%); routing accuracy: how often that decision agrees with top-k. The "
+        "routing profile (last three columns) is each seed's (seed 0 / seed 1), on held-out "
+        "text, in causal mode; rho near 0 means the blocks a token takes say nothing about how "
+        "unsure the model is of the next token.",
         "",
         *ablation_table(results),
         "",
