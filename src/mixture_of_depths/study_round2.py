@@ -605,9 +605,10 @@ def plot_grid(results: list[dict[str, Any]], out: Path, contexts: tuple[tuple[in
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     fig, axes = plt.subplots(
-        1, len(contexts), figsize=(6 * len(contexts), 4.5), dpi=110, squeeze=False
+        1, len(contexts), figsize=(6 * len(contexts), 5.2), dpi=110, squeeze=False
     )
     for ax, (seq_len, _) in zip(axes[0], contexts, strict=True):
         rows = [r for r in results if r["group"] in ("isoflop", "seed") and r["seq_len"] == seq_len]
@@ -622,11 +623,16 @@ def plot_grid(results: list[dict[str, Any]], out: Path, contexts: tuple[tuple[in
                     ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], style, color=f"C{j}",
                             label=f"{arch} @ {budget:.2g}")  # fmt: skip
         ax.set_xscale("log")
+        # 1-2-5 ticks labelled in millions: log axes' default minor labels overlap at this span
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x / 1e6:g}M"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("parameters")
         ax.set_ylabel("validation loss (MoD: causal)")
         ax.set_title(f"{seq_len} tokens of context")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        # under the axes: inside, a legend of six entries hides the points it names
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     fig.tight_layout()
     fig.savefig(out / "isoflop.png")
     plt.close(fig)
