@@ -263,6 +263,23 @@ def test_bracketing_follows_the_seeds_mean_as_the_summary_does():
     assert f"dense S{r2.EDGE} (" in line and "MoD M (" in line
 
 
+def test_size_for_size_pairs_each_size_mean_against_mean():
+    names = [n for n, _ in r2.FULL.grid.sizes]
+    rows = [_row("dense", "S", 0, 4.0), _row("dense", "S", 1, 3.0), _row("MoD", "S", 0, 3.2),
+            _row("MoD", "S", 1, 3.1), _row("dense", "M", 0, 4.0), _row("MoD", "M", 0, 3.0),
+            _row("MoD", "L", 0, 3.0)]  # fmt: skip
+    for r in rows:
+        r["steps"] = 300 if r["label"].startswith("MoD") else 200
+    table = r2.size_for_size(rows, names)
+    (line,) = [ln for ln in table if ln.startswith("| 5.0e+13 |")]
+    cells = dict(zip(names, (c.strip() for c in line.split("|")[2:-1]), strict=True))
+    # S: means 3.15 against 3.5, both seeded; M: one seed each; L: no dense twin, no cell
+    assert cells["S"] == "-10.0%, 1.50x"
+    assert cells["M"] == "-25.0%¹, 1.50x"
+    assert cells["L"] == cells["XS"] == ""
+    assert r2.size_for_size([], names) == []
+
+
 def test_twin_is_the_same_training_run_only():
     shape = dict(r2.FULL.grid.sizes)[r2.FULL.grid.ablation_size]
     model = {"max_seq_len": 256, **shape, **r2.MOD, "causal_router": "predictor"}

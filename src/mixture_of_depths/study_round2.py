@@ -638,6 +638,41 @@ def plot_grid(results: list[dict[str, Any]], out: Path, contexts: tuple[tuple[in
     plt.close(fig)
 
 
+def size_for_size(rows: list[dict[str, Any]], sizes: list[str]) -> list[str]:
+    """MoD against the dense model of the same size, per budget (one context's grid rows): the
+    causal loss's change and how many more steps MoD's budget buys. [] before any pair."""
+    by: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        arch, size = r["label"].split(" ", 1)
+        by.setdefault((r["budget"], arch, size), []).append(r)
+    budgets = sorted({b for b, _, _ in by})
+    body = []
+    for b in budgets:
+        cells = []
+        for size in sizes:
+            mod, dense = by.get((b, "MoD", size)), by.get((b, "dense", size))
+            if not mod or not dense:
+                cells.append("")
+                continue
+            m, d = _mean(mod, "val_loss_causal"), _mean(dense, "val_loss_causal")
+            seeds = "" if len(mod) > 1 and len(dense) > 1 else "¹"
+            cells.append(
+                f"{100 * (m - d) / d:+.1f}%{seeds}, {mod[0]['steps'] / dense[0]['steps']:.2f}x"
+            )
+        if any(cells):
+            body.append(f"| {b:.1e} | " + " | ".join(cells) + " |")
+    if not body:
+        return []
+    return [
+        "Size for size: MoD's causal loss against the dense model of the same size, and the "
+        "steps MoD's budget buys against dense's (¹ one seed of at least one of the two):",
+        "",
+        "| budget | " + " | ".join(sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+        *body,
+    ]
+
+
 def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]:
     """The headline, one row per budget and context (the README's table); [] before any. A best
     size at the edge of the sizes tried there is marked: its curve's minimum may lie beyond."""
@@ -762,6 +797,9 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
         head = format_findings(f)
         lines += [f"## isoFLOP grid, {seq_len} tokens of context (batch {batch})", ""]
         lines += [ln.replace("## Headline", "### Headline") for ln in head]
+        pairs = size_for_size(rows, [n for n, _ in g.sizes])
+        if pairs:
+            lines += ["", *pairs]
         lines += [
             "",
             "| model | seed | budget | params | FLOPs/fwd token | steps | val loss top-k | "
