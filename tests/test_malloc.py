@@ -65,6 +65,7 @@ def test_freed_block_is_reused_without_page_faults():
     [
         {ENV: "0"},
         {"MALLOC_MMAP_THRESHOLD_": "65536"},
+        {"MALLOC_ARENA_MAX": "2"},
         {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=1"},
     ],
 )
@@ -80,10 +81,12 @@ def test_bad_setting_is_named(monkeypatch):
 
 def test_user_malloc_settings_names_only_malloc_tuning():
     env = {
-        "MALLOC_ARENA_MAX_": "2",  # glibc's form: trailing underscore
+        "MALLOC_TOP_PAD_": "0",
+        "MALLOC_ARENA_MAX": "2",  # one of glibc's two without the trailing underscore
         "MALLOC_CONF": "x",  # jemalloc's, not glibc's
         "GLIBC_TUNABLES": "glibc.rtld.nns=2:glibc.malloc.tcache_count=0",
         "PATH": "/bin",
     }
-    assert sorted(user_malloc_settings(env)) == ["GLIBC_TUNABLES", "MALLOC_ARENA_MAX_"]
+    expected = ["GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_"]
+    assert sorted(user_malloc_settings(env)) == expected
     assert user_malloc_settings({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) == []

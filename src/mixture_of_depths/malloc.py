@@ -26,13 +26,17 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1
 
+# glibc's malloc variables end in "_" (MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_, ...) but these two
+_NO_UNDERSCORE = frozenset({"MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST"})
+
 ENV = "MOD_KEEP_FREED_MEMORY"  # "0" leaves glibc's defaults alone
 
 
 def user_malloc_settings(env: Mapping[str, str]) -> list[str]:
     """Names of the variables in ``env`` that tune glibc's malloc, which ``keep_freed_memory``
-    leaves alone: ``MALLOC_*_`` variables and a ``GLIBC_TUNABLES`` that sets ``glibc.malloc``."""
-    names = [k for k in env if k.startswith("MALLOC_") and k.endswith("_")]
+    leaves alone: ``MALLOC_*_`` variables, ``MALLOC_ARENA_MAX`` / ``MALLOC_ARENA_TEST``, and a
+    ``GLIBC_TUNABLES`` that sets ``glibc.malloc``."""
+    names = [k for k in env if k.startswith("MALLOC_") and (k.endswith("_") or k in _NO_UNDERSCORE)]
     if "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
         names.append("GLIBC_TUNABLES")
     return names
@@ -42,7 +46,7 @@ def keep_freed_memory() -> bool:
     """Turn off glibc's mmap for large blocks and its heap trimming, for this process.
 
     Returns whether it did. It does nothing off Linux/glibc, when ``MOD_KEEP_FREED_MEMORY=0``,
-    or when the user already tunes glibc's malloc (a ``MALLOC_*_`` variable or a
+    or when the user already tunes glibc's malloc (a glibc ``MALLOC_*`` variable or a
     ``glibc.malloc`` tunable): their choice stands.
     """
     setting = os.environ.get(ENV, "1")

@@ -655,10 +655,9 @@ def size_for_size(rows: list[dict[str, Any]], sizes: list[str]) -> list[str]:
                 cells.append("")
                 continue
             m, d = _mean(mod, "val_loss_causal"), _mean(dense, "val_loss_causal")
-            seeds = "" if len(mod) > 1 and len(dense) > 1 else "¹"
-            cells.append(
-                f"{100 * (m - d) / d:+.1f}%{seeds}, {mod[0]['steps'] / dense[0]['steps']:.2f}x"
-            )
+            one_seed = min(len({r["seed"] for r in mod}), len({r["seed"] for r in dense})) < 2
+            steps = _mean(mod, "steps") / _mean(dense, "steps")
+            cells.append(f"{100 * (m - d) / d:+.1f}%{'¹' if one_seed else ''}, {steps:.2f}x")
         if any(cells):
             body.append(f"| {b:.1e} | " + " | ".join(cells) + " |")
     if not body:
@@ -744,7 +743,8 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
         "Random routing's causal decision takes each token with the capacity's probability (or "
         "the aux-loss model's measured rates), so its compute matches learned routing's in both "
         "modes. Causal take-rate: the share of tokens a routed block takes in causal mode (the "
-        "capacity is 12.5%); routing accuracy: how often that decision agrees with top-k. The "
+        f"capacity is {MOD['capacity']:.1%}); routing accuracy: how often that decision agrees "
+        "with top-k. The "
         "routing profile (last three columns) is each seed's (seed 0 / seed 1), on held-out "
         "text, in causal mode; rho near 0 means the blocks a token takes say nothing about how "
         "unsure the model is of the next token.",
