@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
+import zlib
 
 import pytest
 import torch
@@ -296,3 +299,93 @@ def test_twin_is_the_same_training_run_only():
         assert r2._twin(dataclasses.replace(spec, **change), [done]) is None, change
     rand = dataclasses.replace(spec, model={**model, "router_scores": "random"})
     assert r2._twin(rand, [{**done, "model": {**built, "router_scores": "random"}}]) is None
+
+
+def _fake_run_one(calls: list[tuple[str, str]], pause: float):
+    """A stand-in for `run_one`: a row with every field the plan reads, its loss a fixed
+    function of the run's name, so that any order of running gives the same plan."""
+    lock = threading.Lock()
+
+    def run_one(spec, settings, work, data, progress=False):
+        with lock:
+            calls.append((threading.current_thread().name, spec.name))
+        time.sleep(pause)  # long enough for another worker to claim the next run meanwhile
+        folder = work / spec.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.jsonl").write_text("{}\n")
+        loss = 3.0 + zlib.crc32(spec.name.removesuffix("-s0").removesuffix("-s1").encode()) / 2**32
+        row = dataclasses.asdict(spec)
+        row["model"] = {**spec.model, "vocab_size": 300}
+        layers = row["model"].get("n_layers", 2) // 2
+        return {**row, "val_loss_causal": loss, "val_loss": loss,
+                "causal_take_rate": {str(i): 0.125 for i in range(layers)}}  # fmt: skip
+
+    return run_one
+
+
+def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
+    """Two workers on one study (threads here; `mod study --workers` uses processes, the same
+    locks) end with exactly the runs one worker would have run, each run once, both busy."""
+    monkeypatch.setattr(r2, "routing_profile", lambda *a, **k: {})
+    monkeypatch.setattr(r2, "write_report", lambda *a, **k: None)
+    solo: list[tuple[str, str]] = []
+    monkeypatch.setattr(r2, "run_one", _fake_run_one(solo, 0.0))
+    one = r2.run(tmp_path / "solo", tmp_path / "w1", quick=True, progress=False)
+    assert len(one) > 20 and len(solo) == len({r["name"] for r in one if "same_run_as" not in r})
+    solo_names = sorted(name for _, name in solo)
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(r2, "run_one", _fake_run_one(calls, 0.02))
+    out, work = tmp_path / "out", tmp_path / "work"
+    mine: dict[int, list[str]] = {}
+
+    def worker(i: int) -> None:
+        rows = r2.run(out, work, quick=True, progress=False, poll_s=0.01)
+        mine[i] = [r["name"] for r in rows]
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"w{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(name for _, name in calls) == solo_names  # the same runs, none twice
+    assert {who for who, _ in calls} == {"w0", "w1"}  # both trained
+    rows = r2.load_results(out / "results.jsonl")
+    names = [r["name"] for r in rows]
+    assert len(names) == len(set(names)) and set(names) == {r["name"] for r in one}
+    assert set(mine[0]) == set(mine[1]) == set(names)  # each returns the whole study
+    assert not any(work.iterdir())  # claims released, run folders deleted
+
+
+def test_mod_study_workers_launches_one_process_per_worker(tmp_path, monkeypatch, capsys):
+    import os
+    import subprocess
+
+    from mixture_of_depths import cli
+
+    launched = []
+
+    class Popen:
+        def __init__(self, cmd, env):
+            launched.append((cmd, env))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setenv("MOD_KEEP_FREED_MEMORY", "0")  # its library lookup runs a Popen too
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    out = str(tmp_path / "out")
+    args = ["study", "--plan", "round2", "--out", out, "--max-runs", "3", "--quick"]
+    assert cli.main([*args, "--workers", "2"]) == 0
+    assert len(launched) == 2
+    for i, (cmd, env) in enumerate(launched):  # the same study, each its share of the cores
+        assert cmd[3:] == ["study", "--plan", "round2", "--no-progress", "--out", out,
+                           "--max-runs", "3", "--quick", "--worker-index", str(i)]  # fmt: skip
+        assert env["OMP_NUM_THREADS"] == "2"
+    for bad, why in (("0", "--workers must be >= 1, got 0"), ("5", "at most the 4 cores")):
+        assert cli.main([*args, "--workers", bad]) == 2
+        assert why in capsys.readouterr().err
+    assert cli.main(["study", "--plan", "isoflop", "--workers", "2"]) == 2
+    assert "--workers applies to --plan round2 only, got 2" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -335,10 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run folders (default: runs/study, or runs/study-<plan> for --plan mode and kv)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="round2: train this many runs at once, in separate processes sharing the cores "
+        "(each with cores/workers threads): small models use one thread better than two "
+        "(default: %(default)s)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
     p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
 
     from .bench.suite import add_arguments as add_bench_arguments
 
@@ -581,6 +591,9 @@ def cmd_study(args: argparse.Namespace) -> int:
     from .study_kv import PLAN as KV
     from .study_mode import PLAN as MODE
 
+    if args.workers != 1 and args.plan != "round2":
+        raise ValueError(f"--workers applies to --plan round2 only, got {args.workers} with "
+                         f"--plan {args.plan}")  # fmt: skip
     if args.plan == "convert":
         from .study_convert import OUT
         from .study_convert import run as convert_study
@@ -597,10 +610,20 @@ def cmd_study(args: argparse.Namespace) -> int:
 
         if args.max_runs is not None and args.max_runs < 1:
             raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
-        results = round2(
-            args.out, args.work, args.quick, args.data, not args.no_progress, args.max_runs
-        )
         out = args.out or (R2 + ("-quick" if args.quick else ""))
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        if args.workers > 1:
+            return _study_workers(args, out)
+        results = round2(
+            args.out,
+            args.work,
+            args.quick,
+            args.data,
+            not args.no_progress,
+            args.max_runs,
+            worker=args.worker_index,
+        )
         print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
         return 0
     plan = {"isoflop": ISOFLOP, "mode": MODE, "kv": KV}[args.plan]
@@ -615,6 +638,47 @@ def cmd_study(args: argparse.Namespace) -> int:
     )
     out = args.out or plan.out
     print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
+    return 0
+
+
+def _study_workers(args: argparse.Namespace, out: str) -> int:
+    """`mod study --plan round2 --workers N`: N processes of the study, each claiming its own
+    runs (`study_round2.run`), with the cores split between them. Each prints a line per run
+    it finishes; a bar per process would garble the terminal."""
+    import subprocess
+
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use
+    else:
+        cores = os.cpu_count() or 1
+    if args.workers > cores:
+        raise ValueError(f"--workers must be at most the {cores} cores here, got {args.workers}")
+    threads = max(1, cores // args.workers)
+    cmd = [sys.executable, "-m", "mixture_of_depths", "study", "--plan", "round2", "--no-progress"]
+    for flag, value in (("--out", args.out), ("--work", args.work), ("--data", args.data),
+                        ("--max-runs", args.max_runs)):  # fmt: skip
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.quick:
+        cmd.append("--quick")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    print(f"{args.workers} workers, {threads} thread(s) each; results in {out}/results.jsonl",
+          flush=True)  # fmt: skip
+    procs = [
+        subprocess.Popen([*cmd, "--worker-index", str(i)], env=env) for i in range(args.workers)
+    ]
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:  # the children got the same SIGINT: let them stop
+        for p in procs:
+            p.wait()
+        raise
+    bad = [c for c in codes if c != 0]
+    if bad:
+        print(f"mod study: {len(bad)} of {args.workers} workers failed (exit {bad[0]})",
+              file=sys.stderr)  # fmt: skip
+        return bad[0]
+    print(f"report: {out}/report.md")
     return 0
 
 

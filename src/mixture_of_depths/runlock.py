@@ -75,14 +75,14 @@ def _describe(info: dict[str, Any]) -> str:
 
 
 class RunLock:
-    """Hold ``<folder>/run.lock`` for a run: ``with RunLock(folder): ...``.
+    """Hold ``<folder>/run.lock`` (or ``<folder>/<name>``) for a run: ``with RunLock(folder): ...``.
 
     Raises `RunLockedError` when a live process holds it. Released on exit (the file is removed);
     a killed owner leaves a stale file that the next run takes over.
     """
 
-    def __init__(self, folder: str | Path) -> None:
-        self.path = Path(folder) / LOCK_NAME
+    def __init__(self, folder: str | Path, name: str = LOCK_NAME) -> None:
+        self.path = Path(folder) / name
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:

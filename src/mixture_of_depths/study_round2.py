@@ -31,9 +31,12 @@ stopped. The report is rewritten after every run; `notes.md` in the output folde
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ from tqdm.auto import tqdm
 
 from .config import MoDConfig
 from .fileio import atomic_write_text, json_text
+from .runlock import RunLock, RunLockedError
 from .study import (
     AUX_ROUTING,
     RunSpec,
@@ -333,58 +337,117 @@ def run(
     data: str | None = None,
     progress: bool = True,
     max_runs: int | None = None,
+    worker: int | None = None,
+    poll_s: float = 10.0,
 ) -> list[dict[str, Any]]:
     """Run (or resume) the second round; returns all results and rewrites the report after each
-    run. `max_runs` stops after that many new runs (a slice of the study, resumable)."""
+    run. `max_runs` stops after that many new runs (a slice of the study, resumable).
+
+    Several processes may run it at once on the same `out` and `work` (`mod study --workers`):
+    each claims the next run nobody holds (a lock per run under ``<work>/.claims``, dropped by
+    the kernel if its process dies), appends its row under a lock, and waits while every run
+    the results call for so far is another worker's (their rows may call for more). `worker`
+    names this process in the one line it prints per finished run."""
     s = QUICK if quick else FULL
     out = Path(out if out is not None else OUT + ("-quick" if quick else ""))
     work = Path(work if work is not None else WORK + ("-quick" if quick else ""))
     (out / "metrics").mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
+    claims = work / ".claims"
     results = load_results(results_path)
-    done = {r["name"] for r in results}
-    bar = tqdm(desc="round 2", unit="run", initial=len(done), disable=not progress)
+    bar = tqdm(desc="round 2", unit="run", initial=len(results), disable=not progress)
     new = 0
 
     def record(row: dict[str, Any]) -> None:
-        with results_path.open("a") as fh:
-            fh.write(json_text(row) + "\n")
-        results.append(row)
-        done.add(row["name"])
+        with _waiting_lock(claims, "results.lock"):  # one writer of the file and the report
+            with results_path.open("a") as fh:
+                fh.write(json_text(row) + "\n")
+            results[:] = load_results(results_path)
+            write_report(results, out, s)
         bar.update(1)
+        if worker is not None:
+            print(f"[worker {worker}] {row['name']}: causal loss {row['val_loss_causal']:.4f}",
+                  flush=True)  # fmt: skip
 
     while max_runs is None or new < max_runs:
+        results[:] = load_results(results_path)  # with the other workers' rows
+        done = {r["name"] for r in results}
         pending = [sp for sp in plan(s, results) if sp.name not in done]
         if not pending:
             break
-        spec = pending[0]
-        bar.total = len(done) + len(pending)
-        bar.set_postfix_str(spec.name)
-        twin = _twin(spec, results)
-        if twin is not None:  # the same run, already done under another name: reuse it
-            row = {**twin, "name": spec.name, "group": spec.group, "label": spec.label,
-                   "evaluations": spec.evaluations, "same_run_as": twin["name"]}  # fmt: skip
-            row.pop("profile", None)
-            shutil.copyfile(out / "metrics" / f"{twin['name']}.jsonl",
-                            out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
-            record(row)
+        claim, spec = None, None
+        for spec in pending:
+            claim = _claim(claims, spec.name)
+            if claim is not None:
+                break
+        if claim is None:  # all of them another worker's
+            time.sleep(poll_s)
             continue
-        row = run_one(spec, s.grid, work, data, progress)
-        folder = work / spec.name
-        shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
-        if (
-            spec.group == "ablation"
-            and "layer_pattern" in spec.model
-            and spec.model["layer_pattern"] != "D"
-        ):
-            row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
-        record(row)
-        new += 1
-        write_report(results, out, s)
-        shutil.rmtree(folder, ignore_errors=True)
+        try:  # released however the run ends; the kernel drops it if the process dies
+            if spec.name in {r["name"] for r in load_results(results_path)}:
+                continue  # finished by another worker between our reading and our claim
+            bar.total = len(done) + len(pending)
+            bar.set_postfix_str(spec.name)
+            twin = _twin(spec, results)
+            if twin is not None:  # the same run, already done under another name: reuse it
+                row = {**twin, "name": spec.name, "group": spec.group, "label": spec.label,
+                       "evaluations": spec.evaluations, "same_run_as": twin["name"]}  # fmt: skip
+                row.pop("profile", None)
+                shutil.copyfile(out / "metrics" / f"{twin['name']}.jsonl",
+                                out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
+                record(row)
+                continue
+            row = run_one(spec, s.grid, work, data, progress)
+            folder = work / spec.name
+            shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
+            if (
+                spec.group == "ablation"
+                and "layer_pattern" in spec.model
+                and spec.model["layer_pattern"] != "D"
+            ):
+                row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
+            record(row)
+            new += 1
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            claim.release()
     bar.close()
-    write_report(results, out, s)
+    with _waiting_lock(claims, "results.lock"):
+        results[:] = load_results(results_path)
+        write_report(results, out, s)
+    try:
+        claims.rmdir()  # empty once no worker holds anything
+    except OSError:
+        pass
     return results
+
+
+def _claim(folder: Path, name: str) -> RunLock | None:
+    """This process's hold on run `name`, or None where a live process holds it."""
+    while True:
+        try:
+            return RunLock(folder, f"{name}.lock").acquire()
+        except RunLockedError:
+            return None
+        except FileNotFoundError:  # a finishing worker removed the empty folder under us
+            continue
+
+
+@contextlib.contextmanager
+def _waiting_lock(folder: Path, name: str) -> Iterator[None]:
+    """Hold the lock `folder/name`, waiting for it while another process does."""
+    while True:
+        try:
+            lock = RunLock(folder, name).acquire()
+            break
+        except RunLockedError:
+            time.sleep(0.05)
+        except FileNotFoundError:  # a finishing worker removed the empty folder under us
+            continue
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _twin(spec: RunSpec, results: list[dict[str, Any]]) -> dict[str, Any] | None:
