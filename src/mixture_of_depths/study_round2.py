@@ -849,7 +849,9 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
             "speed). From `ctx1024-5e13-dense-XXXS-s0` on, the runs kept freed memory for "
             "reuse (`mod`'s malloc setting, see the README's 'CPU training'), which made them up "
             "to 1.8 times faster with the same numbers: speeds on either side of that run do "
-            "not compare.",
+            "not compare. From `ctx256-1.5e14-dense-S-s1` and `ctx256-1.5e14-dense-M-s1` on, "
+            "two runs trained at once, one thread each (`--workers 2`): each run's speed is "
+            "that of half the machine.",
             "",
         ]
     for seq_len, batch in s.contexts:
