@@ -315,7 +315,7 @@ def _fake_run_one(calls: list[tuple[str, str]], pause: float):
         (folder / "metrics.jsonl").write_text("{}\n")
         loss = 3.0 + zlib.crc32(spec.name.removesuffix("-s0").removesuffix("-s1").encode()) / 2**32
         row = dataclasses.asdict(spec)
-        row["model"] = {**spec.model, "vocab_size": 300}
+        row["model"] = dataclasses.asdict(MoDConfig(**{**spec.model, "vocab_size": 300}))
         layers = row["model"].get("n_layers", 2) // 2
         return {**row, "val_loss_causal": loss, "val_loss": loss,
                 "causal_take_rate": {str(i): 0.125 for i in range(layers)}}  # fmt: skip
@@ -343,7 +343,9 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
         rows = r2.run(out, work, quick=True, progress=False, poll_s=0.01)
         mine[i] = [r["name"] for r in rows]
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"w{i}") for i in range(2)]
+    threads = [
+        threading.Thread(target=worker, args=(i,), name=f"w{i}", daemon=True) for i in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -356,6 +358,55 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     assert len(names) == len(set(names)) and set(names) == {r["name"] for r in one}
     assert set(mine[0]) == set(mine[1]) == set(names)  # each returns the whole study
     assert not any(work.iterdir())  # claims released, run folders deleted
+    # a claim is on what a run trains: twins share it (and are never trained twice), other
+    # runs do not
+    fields = [f.name for f in dataclasses.fields(RunSpec)]
+    key = {r["name"]: r2._training_key(RunSpec(**{f: r[f] for f in fields})) for r in rows}
+    for r in rows:
+        if "same_run_as" in r:
+            assert key[r["name"]] == key[r["same_run_as"]]
+    trained = [key[r["name"]] for r in rows if "same_run_as" not in r]
+    assert len(set(trained)) == len(trained)
+
+
+def test_a_run_finished_while_we_claimed_it_is_not_trained_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(r2, "routing_profile", lambda *a, **k: {})
+    monkeypatch.setattr(r2, "write_report", lambda *a, **k: None)
+    calls: list[tuple[str, str]] = []
+    fake = _fake_run_one(calls, 0.0)
+    monkeypatch.setattr(r2, "run_one", fake)
+    out, work = tmp_path / "out", tmp_path / "work"
+    seen, real_key, real_claim = [], r2._training_key, r2._claim
+
+    def key(spec):
+        seen.append(spec)
+        return real_key(spec)
+
+    def claim(folder, name):
+        if len(seen) == 1:  # another worker records the first run just before our claim lands
+            row = {**fake(seen[0], None, work, None), "group": seen[0].group}
+            # ...as a killed process would leave it, its line not ended
+            (out / "results.jsonl").write_text(json.dumps(row))
+            calls.clear()
+        return real_claim(folder, name)
+
+    monkeypatch.setattr(r2, "_training_key", key)
+    monkeypatch.setattr(r2, "_claim", claim)
+    rows = r2.run(out, work, quick=True, progress=False, max_runs=2)
+    first = seen[0].name
+    assert first not in [name for _, name in calls]  # not trained again...
+    assert [r["name"] for r in rows].count(first) == 1  # ...nor recorded twice
+    assert len(calls) == 2 and len(rows) == 3  # our rows began on lines of their own
+
+
+def test_a_claim_that_cannot_be_checked_is_an_error_not_a_wait(tmp_path):
+    from mixture_of_depths.runlock import RunLockedError
+
+    (tmp_path / "x.lock").write_text(
+        json.dumps({"host": "elsewhere", "pid": 1, "boot": "another-boot", "since": "then"})
+    )
+    with pytest.raises(RunLockedError, match="delete the lock file"):
+        r2._claim(tmp_path, "x")
 
 
 def test_mod_study_workers_launches_one_process_per_worker(tmp_path, monkeypatch, capsys):
@@ -384,6 +435,9 @@ def test_mod_study_workers_launches_one_process_per_worker(tmp_path, monkeypatch
         assert cmd[3:] == ["study", "--plan", "round2", "--no-progress", "--out", out,
                            "--max-runs", "3", "--quick", "--worker-index", str(i)]  # fmt: skip
         assert env["OMP_NUM_THREADS"] == "2"
+    Popen.wait = lambda self: 3  # a worker that fails fails the command
+    assert cli.main([*args, "--workers", "2"]) == 3
+    assert "2 of 2 workers failed (exit 3)" in capsys.readouterr().err
     for bad, why in (("0", "--workers must be >= 1, got 0"), ("5", "at most the 4 cores")):
         assert cli.main([*args, "--workers", bad]) == 2
         assert why in capsys.readouterr().err

@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-runs",
         type=int,
         default=None,
-        help="round2: stop after this many new runs (rerun to go on)",
+        help="round2: stop after this many new runs, per worker (rerun to go on)",
     )
     p.add_argument(
         "--out",
@@ -645,6 +645,7 @@ def _study_workers(args: argparse.Namespace, out: str) -> int:
     """`mod study --plan round2 --workers N`: N processes of the study, each claiming its own
     runs (`study_round2.run`), with the cores split between them. Each prints a line per run
     it finishes; a bar per process would garble the terminal."""
+    import signal
     import subprocess
 
     if hasattr(os, "sched_getaffinity"):
@@ -667,12 +668,24 @@ def _study_workers(args: argparse.Namespace, out: str) -> int:
     procs = [
         subprocess.Popen([*cmd, "--worker-index", str(i)], env=env) for i in range(args.workers)
     ]
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)  # a kill stops the workers too
     try:
         codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:  # the children got the same SIGINT: let them stop
+    except KeyboardInterrupt:
+        for p in procs:  # a terminal's Ctrl-C reached them too; a kill did not
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGINT)
         for p in procs:
             p.wait()
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     bad = [c for c in codes if c != 0]
     if bad:
         print(f"mod study: {len(bad)} of {args.workers} workers failed (exit {bad[0]})",

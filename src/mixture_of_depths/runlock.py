@@ -28,7 +28,12 @@ LOCK_NAME = "run.lock"
 
 
 class RunLockedError(RuntimeError):
-    """Another live process is training in this folder."""
+    """Another live process is training in this folder (`held`: its flock is taken now), or a
+    process on another machine may be (`held` False: the lock cannot be checked from here)."""
+
+    def __init__(self, message: str, held: bool = True) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 def _start_time(pid: int) -> str | None:
@@ -109,7 +114,7 @@ class RunLock:
                     continue
                 info = self._read(fd)
                 if info and not self._stale(info):
-                    raise RunLockedError(self._refusal(info, held=False))
+                    raise RunLockedError(self._refusal(info, held=False), held=False)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, (json.dumps(_owner()) + "\n").encode(), 0)
                 os.fsync(fd)

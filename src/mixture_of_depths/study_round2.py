@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -344,10 +345,13 @@ def run(
     run. `max_runs` stops after that many new runs (a slice of the study, resumable).
 
     Several processes may run it at once on the same `out` and `work` (`mod study --workers`):
-    each claims the next run nobody holds (a lock per run under ``<work>/.claims``, dropped by
-    the kernel if its process dies), appends its row under a lock, and waits while every run
-    the results call for so far is another worker's (their rows may call for more). `worker`
-    names this process in the one line it prints per finished run."""
+    each claims the next run nobody holds (a lock per training run under ``<work>/.claims``,
+    so twins (`_twin`) never train twice either; the kernel drops it if its process dies),
+    appends its row under a lock, and waits while every run the results call for so far is
+    another worker's (their rows may call for more). A worker may finish a second seed that a
+    seed landing meanwhile took out of the plan (`_bracket` reads second seeds): its row is
+    kept, one more seed. `max_runs` counts this process's runs; `worker` names this process
+    in the one line it prints per finished run."""
     s = QUICK if quick else FULL
     out = Path(out if out is not None else OUT + ("-quick" if quick else ""))
     work = Path(work if work is not None else WORK + ("-quick" if quick else ""))
@@ -360,8 +364,12 @@ def run(
 
     def record(row: dict[str, Any]) -> None:
         with _waiting_lock(claims, "results.lock"):  # one writer of the file and the report
-            with results_path.open("a") as fh:
-                fh.write(json_text(row) + "\n")
+            with results_path.open("a+b") as fh:  # appends go to the end, wherever we read
+                if fh.seek(0, 2) > 0:
+                    fh.seek(-1, 2)
+                    if fh.read(1) != b"\n":
+                        fh.write(b"\n")  # end a line cut short by a kill: our row stays whole
+                fh.write((json_text(row) + "\n").encode())
             results[:] = load_results(results_path)
             write_report(results, out, s)
         bar.update(1)
@@ -377,14 +385,15 @@ def run(
             break
         claim, spec = None, None
         for spec in pending:
-            claim = _claim(claims, spec.name)
+            claim = _claim(claims, _training_key(spec))
             if claim is not None:
                 break
         if claim is None:  # all of them another worker's
             time.sleep(poll_s)
             continue
         try:  # released however the run ends; the kernel drops it if the process dies
-            if spec.name in {r["name"] for r in load_results(results_path)}:
+            results[:] = load_results(results_path)
+            if spec.name in {r["name"] for r in results}:
                 continue  # finished by another worker between our reading and our claim
             bar.total = len(done) + len(pending)
             bar.set_postfix_str(spec.name)
@@ -422,12 +431,27 @@ def run(
     return results
 
 
+def _training_key(spec: RunSpec) -> str:
+    """What `spec` trains, as a lock name: runs that are each other's `_twin` share it."""
+    if spec.model.get("router_scores") == "random":  # never reused: see `_twin`
+        return spec.name
+    what = {k: getattr(spec, k) for k in ("budget", "seed", "seq_len", "batch_size",
+                                          "capacity_warmup")}  # fmt: skip
+    what["model"] = dataclasses.asdict(MoDConfig(**spec.model))
+    text = json.dumps(what, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"train-{digest}"
+
+
 def _claim(folder: Path, name: str) -> RunLock | None:
-    """This process's hold on run `name`, or None where a live process holds it."""
+    """This process's hold on `name`, or None where a live process holds it. A lock that
+    cannot be checked (a process on another machine) is an error, not a wait."""
     while True:
         try:
             return RunLock(folder, f"{name}.lock").acquire()
-        except RunLockedError:
+        except RunLockedError as exc:
+            if not exc.held:
+                raise
             return None
         except FileNotFoundError:  # a finishing worker removed the empty folder under us
             continue
@@ -440,7 +464,9 @@ def _waiting_lock(folder: Path, name: str) -> Iterator[None]:
         try:
             lock = RunLock(folder, name).acquire()
             break
-        except RunLockedError:
+        except RunLockedError as exc:
+            if not exc.held:
+                raise
             time.sleep(0.05)
         except FileNotFoundError:  # a finishing worker removed the empty folder under us
             continue
