@@ -363,7 +363,7 @@ def run(
     new = 0
 
     def record(row: dict[str, Any]) -> None:
-        with _waiting_lock(claims, "results.lock"):  # one writer of the file and the report
+        with _waiting_lock(claims, "results"):  # one writer of the file and the report
             with results_path.open("a+b") as fh:  # appends go to the end, wherever we read
                 if fh.seek(0, 2) > 0:
                     fh.seek(-1, 2)
@@ -397,31 +397,15 @@ def run(
                 continue  # finished by another worker between our reading and our claim
             bar.total = len(done) + len(pending)
             bar.set_postfix_str(spec.name)
-            twin = _twin(spec, results)
-            if twin is not None:  # the same run, already done under another name: reuse it
-                row = {**twin, "name": spec.name, "group": spec.group, "label": spec.label,
-                       "evaluations": spec.evaluations, "same_run_as": twin["name"]}  # fmt: skip
-                row.pop("profile", None)
-                shutil.copyfile(out / "metrics" / f"{twin['name']}.jsonl",
-                                out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
-                record(row)
-                continue
-            row = run_one(spec, s.grid, work, data, progress)
-            folder = work / spec.name
-            shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
-            if (
-                spec.group == "ablation"
-                and "layer_pattern" in spec.model
-                and spec.model["layer_pattern"] != "D"
-            ):
-                row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
+            row, folder = _result_of(spec, s, results, out, work, data, progress)
             record(row)
-            new += 1
-            shutil.rmtree(folder, ignore_errors=True)
+            if folder is not None:  # trained here, not reused
+                new += 1
+                shutil.rmtree(folder, ignore_errors=True)
         finally:
             claim.release()
     bar.close()
-    with _waiting_lock(claims, "results.lock"):
+    with _waiting_lock(claims, "results"):
         results[:] = load_results(results_path)
         write_report(results, out, s)
     try:
@@ -429,6 +413,33 @@ def run(
     except OSError:
         pass
     return results
+
+
+def _result_of(
+    spec: RunSpec,
+    s: Round2Settings,
+    results: list[dict[str, Any]],
+    out: Path,
+    work: Path,
+    data: str | None,
+    progress: bool,
+) -> tuple[dict[str, Any], Path | None]:
+    """`spec`'s result row, with its metrics copied to ``<out>/metrics``, and the run folder it
+    trained in (None where a finished twin's row is reused instead)."""
+    twin = _twin(spec, results)
+    if twin is not None:  # the same run, already done under another name: reuse it
+        row = {**twin, "name": spec.name, "group": spec.group, "label": spec.label,
+               "evaluations": spec.evaluations, "same_run_as": twin["name"]}  # fmt: skip
+        row.pop("profile", None)
+        shutil.copyfile(out / "metrics" / f"{twin['name']}.jsonl",
+                        out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
+        return row, None
+    row = run_one(spec, s.grid, work, data, progress)
+    folder = work / spec.name
+    shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
+    if spec.group == "ablation" and spec.model.get("layer_pattern", "D") != "D":
+        row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
+    return row, folder
 
 
 def _training_key(spec: RunSpec) -> str:
@@ -460,16 +471,10 @@ def _claim(folder: Path, name: str) -> RunLock | None:
 @contextlib.contextmanager
 def _waiting_lock(folder: Path, name: str) -> Iterator[None]:
     """Hold the lock `folder/name`, waiting for it while another process does."""
-    while True:
-        try:
-            lock = RunLock(folder, name).acquire()
-            break
-        except RunLockedError as exc:
-            if not exc.held:
-                raise
-            time.sleep(0.05)
-        except FileNotFoundError:  # a finishing worker removed the empty folder under us
-            continue
+    lock = _claim(folder, name)
+    while lock is None:
+        time.sleep(0.05)
+        lock = _claim(folder, name)
     try:
         yield
     finally:
