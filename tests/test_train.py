@@ -47,6 +47,36 @@ def test_resume_reproduces_uninterrupted_run(corpus: Path, tmp_path: Path, causa
     assert all(v["topk_flips"] == v["topk_flips"] for v in diag["resumed"][6].values())  # not NaN
 
 
+def test_checkpoints_between_evaluations_resume_exactly_inside_capacity_warmup(corpus, tmp_path):
+    """`checkpoint_every` writes checkpoints with no evaluation; a run killed right after one (at
+    step 3, inside the capacity warm-up) resumes to the uninterrupted run's losses, weights and
+    evaluations, bit-exact."""
+    cfg = MoDConfig(**TINY, causal_router="predictor")
+    kw = dict(steps=8, eval_every=8, capacity_warmup=5)
+    full = tmp_path / "full"
+    train(cfg, tc(corpus, full, **kw), progress=False)
+    cut = tmp_path / "cut"
+    t = tc(corpus, cut, checkpoint_every=3, **kw)
+    train_until(cfg, t, stop_at=3)
+    evals = [r for r in map(json.loads, (cut / "metrics.jsonl").open()) if "val_loss_topk" in r]
+    assert evals == []  # the step-3 checkpoint came without an evaluation
+    train(None, t, resume=True, progress=False)
+    want, got = losses(full), losses(cut)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    assert got == want  # bit-exact on CPU
+    m_full, _ = load_model(full / "checkpoint")
+    m_cut, _ = load_model(cut / "checkpoint")
+    for (n, a), (_, b) in zip(m_full.state_dict().items(), m_cut.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    ev = {
+        name: [r for r in map(json.loads, (d / "metrics.jsonl").open()) if "val_loss_topk" in r]
+        for name, d in (("full", full), ("cut", cut))
+    }
+    assert [r["step"] for r in ev["cut"]] == [8] and ev["cut"] == ev["full"]
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        TrainConfig(checkpoint_every=-1)
+
+
 def test_checkpoint_round_trip_gives_identical_logits(tmp_path: Path):
     for tie in (True, False):
         cfg = MoDConfig(**TINY, tie_embeddings=tie, routing="staggered", causal_router="predictor")

@@ -205,6 +205,9 @@ def run_one(
         capacity_warmup_ratio=0.0,  # the spec's warm-up, in steps, or none
         warmup_steps=max(1, min(50, steps // 10)),
         eval_every=max(1, steps // evals),
+        # Checkpoints between the (few) evaluations, so a study killed mid-run loses at most a
+        # twentieth of that run.
+        checkpoint_every=max(1, steps // 20),
         eval_batches=settings.eval_batches,
         log_every=max(1, min(10, steps)),
         seed=spec.seed,

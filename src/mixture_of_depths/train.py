@@ -4,9 +4,10 @@
 warm-up then cosine decay, and gradient clipping before the optimizer step. Every `eval_every` steps
 it measures validation loss in top-k and causal routing and the routing accuracy of each router
 (causal decision vs top-k membership), logs a JSON line to ``<out>/metrics.jsonl`` and writes an
-atomic checkpoint to ``<out>/checkpoint``. `resume=True` continues from that checkpoint and
-reproduces the losses of an uninterrupted run: weights, AdamW moments and the data position are all
-restored, and batches are a pure function of (seed, step).
+atomic checkpoint to ``<out>/checkpoint`` (also every `checkpoint_every` steps, when set).
+`resume=True` continues from that checkpoint and reproduces the losses of an uninterrupted run:
+weights, AdamW moments and the data position are all restored, and batches are a pure function
+of (seed, step).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     eval_every: int = 200
+    # Steps between checkpoints written without an evaluation (0: checkpoints come only with the
+    # evaluations). Cheap for small models: long runs that may be killed lose less.
+    checkpoint_every: int = 0
     eval_batches: int = 8
     log_every: int = 10
     seed: int = 0
@@ -165,6 +169,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "bpe_vocab_size": Range(lo=257, integer=True),  # the 256 bytes and the end-of-text token
     "seq_len": Range(lo=1, integer=True, optional=True),
     "warmup_steps": NONNEGATIVE_INT,
+    "checkpoint_every": NONNEGATIVE_INT,
     "seed": Range(lo=-(2**63), hi=2**64 - 1, integer=True),  # what torch.manual_seed takes
     "lr": POSITIVE,
     "min_lr_ratio": UNIT,
@@ -842,7 +847,7 @@ def _check_finite(run: _Run, done: int) -> None:
     if run.saved_step:
         kept = f"the checkpoint in {run.ckpt_dir} (step {run.saved_step}) is the last good one"
     else:
-        first = min(run.tc.eval_every, run.tc.steps)
+        first = min(run.tc.eval_every, run.tc.checkpoint_every or run.tc.steps, run.tc.steps)
         kept = f"no checkpoint was written (the first would have come at step {first})"
     msg = (
         f"training diverged at step {bad}: loss {loss}, gradient norm {grad_norm}"
@@ -908,6 +913,13 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
     diag = _routing_probe(run)
     run.log.write({"step": done, **ev, **({"routing_diag": diag} if diag else {})})
     bar.write(format_eval(done, ev))
+    _checkpoint(run, done)
+    run.window_t += time.perf_counter() - t0
+    return ev
+
+
+def _checkpoint(run: _Run, done: int) -> None:
+    """An atomic checkpoint of the run after `done` steps (a collective under torchrun)."""
     if run.sharded_checkpoints:  # every rank writes its shards
         save_sharded_checkpoint(
             run.ckpt_dir,
@@ -924,8 +936,6 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
             _save(run, done, weights, opt_state)
     D.barrier(run.env)  # no rank runs ahead of a checkpoint being written
     run.saved_step = done
-    run.window_t += time.perf_counter() - t0
-    return ev
 
 
 @torch.no_grad()
@@ -1118,6 +1128,11 @@ def _train_loop(run: _Run, progress: bool) -> dict[str, Any]:
             if done % tc.eval_every == 0 or done == tc.steps:
                 _check_finite(run, done)
                 last_eval = _evaluate_and_save(run, done, bar)
+            elif tc.checkpoint_every and done % tc.checkpoint_every == 0:
+                _check_finite(run, done)
+                t0 = time.perf_counter()
+                _checkpoint(run, done)
+                run.window_t += time.perf_counter() - t0  # kept out of tokens/s, as evals are
     finally:
         bar.close()
     if not last_eval:  # resumed at the final step: nothing left to train
