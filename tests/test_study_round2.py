@@ -327,6 +327,7 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     """Two workers on one study (threads here; `mod study --workers` uses processes, the same
     locks) end with exactly the runs one worker would have run, each run once, both busy."""
     monkeypatch.setattr(r2, "routing_profile", lambda *a, **k: {})
+    monkeypatch.setattr(r2, "position_profile", lambda *a, **k: {})
     monkeypatch.setattr(r2, "write_report", lambda *a, **k: None)
     solo: list[tuple[str, str]] = []
     monkeypatch.setattr(r2, "run_one", _fake_run_one(solo, 0.0))
@@ -371,6 +372,7 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
 
 def test_a_run_finished_while_we_claimed_it_is_not_trained_again(tmp_path, monkeypatch):
     monkeypatch.setattr(r2, "routing_profile", lambda *a, **k: {})
+    monkeypatch.setattr(r2, "position_profile", lambda *a, **k: {})
     monkeypatch.setattr(r2, "write_report", lambda *a, **k: None)
     calls: list[tuple[str, str]] = []
     fake = _fake_run_one(calls, 0.0)
@@ -443,3 +445,52 @@ def test_mod_study_workers_launches_one_process_per_worker(tmp_path, monkeypatch
         assert why in capsys.readouterr().err
     assert cli.main(["study", "--plan", "isoflop", "--workers", "2"]) == 2
     assert "--workers applies to --plan round2 only, got 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layer_pattern", ["DR", "D"])
+def test_loss_by_place_averages_to_the_causal_validation_loss(corpus, tmp_path, layer_pattern):
+    """The place-weighted mean of `position_profile`'s buckets is the causal validation loss the
+    trainer measured on the same batches (a different reduction of the same numbers); a grid row
+    carries it, and the report's table shows the best dense against the best MoD."""
+    from helpers import TINY, tc
+
+    from mixture_of_depths.train import train
+
+    cfg = MoDConfig(**TINY, layer_pattern=layer_pattern, causal_router="predictor")
+    out = tmp_path / "run"
+    summary = train(cfg, tc(corpus, out, steps=4, eval_every=4, eval_batches=3), progress=False)
+    prof = r2.position_profile(out / "checkpoint", str(corpus), 4, 32, 3)
+    edges = prof["edges"]
+    assert edges == r2.position_buckets(32) == [0, 1, 2, 8, 32]
+    widths = [b - a for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    mean = sum(w * v for w, v in zip(widths, prof["loss"], strict=True)) / 32
+    assert mean == pytest.approx(summary["val_loss_causal"], rel=1e-5)
+    assert r2.position_buckets(1024) == [0, 16, 64, 256, 1024]
+
+
+def test_position_table_compares_the_best_sizes_over_their_profiled_seeds():
+    def row(arch: str, size: str, seed: int, loss: float, prof: list[float] | None):
+        r = {"name": f"{arch}-{size}-s{seed}", "label": f"{arch} {size}", "group": "isoflop",
+             "budget": 1e9, "seed": seed, "seq_len": 8, "params": 1, "val_loss_topk": loss,
+             "val_loss_causal": loss, "flops_per_forward_token": 1.0, "steps": 1,
+             "tokens_per_s": 1.0, "routing_accuracy_mean": None,
+             "model": {"layer_pattern": "D" if arch == "dense" else "DR"}}  # fmt: skip
+        if prof is not None:
+            r["loss_by_position"] = {"edges": [0, 1, 2, 8], "loss": prof}
+        return r
+
+    rows = [
+        row("dense", "S", 0, 2.0, None),  # run before profiles were recorded
+        row("dense", "S", 1, 2.2, [4.0, 3.0, 2.0]),
+        row("dense", "M", 0, 2.5, [9.0, 9.0, 9.0]),  # not the best: not shown
+        row("MoD", "S", 0, 2.4, [4.0, 3.3, 2.4]),
+        row("MoD", "S", 1, 2.4, [4.0, 3.3, 2.6]),
+    ]
+    table = r2.position_table(rows)
+    body = [ln for ln in table if ln.startswith("| 1.0e+09")]
+    assert body == [
+        "| 1.0e+09 | 0-0 | dense S (1): 4.000 | MoD S (2): 4.000 | +0.0% |",
+        "| 1.0e+09 | 1-1 | dense S (1): 3.000 | MoD S (2): 3.300 | +10.0% |",
+        "| 1.0e+09 | 2-7 | dense S (1): 2.000 | MoD S (2): 2.500 | +25.0% |",
+    ]
+    assert r2.position_table([r for r in rows if r["label"] != "dense S"][:1]) == []

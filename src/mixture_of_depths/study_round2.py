@@ -21,8 +21,10 @@ loss over the two seeds among the learned variants), BPE tokens (vocabulary 4096
 and cached), at 256 and 1024 tokens of context with 4096 tokens per step, three budgets up to
 1.5e14 training FLOPs, three sizes at each (and the next size out wherever an architecture's best
 lands on an edge, so each curve shows its minimum); the best two sizes of each architecture at
-each budget train again with a second seed. About 20 hours on 2 CPU cores (~90 GFLOP/s), so it runs
-over several sessions: rerun to resume.
+each budget train again with a second seed. Each grid run's checkpoint is profiled before it is
+deleted: its held-out loss by place in the context (`position_profile`), which tells what a
+model learns from its context apart from the rest. About 20 hours on 2 CPU cores (~90 GFLOP/s),
+so it runs over several sessions: rerun to resume.
 
 Runs, resumption and FLOP accounting are `study.py`'s: an interrupted study resumes where it
 stopped. The report is rewritten after every run; `notes.md` in the output folder, if present
@@ -439,6 +441,11 @@ def _result_of(
     shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
     if spec.group == "ablation" and spec.model.get("layer_pattern", "D") != "D":
         row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
+    if spec.group in ("isoflop", "seed"):
+        batch = s.grid.batch_size if spec.batch_size is None else spec.batch_size
+        row["loss_by_position"] = position_profile(
+            folder / "checkpoint", data, batch, spec.seq_len, s.grid.eval_batches
+        )
     return row, folder
 
 
@@ -545,6 +552,87 @@ def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
         },
         "rho_depth_entropy": rep.correlations["depth_vs_entropy"],
     }
+
+
+def position_buckets(seq_len: int) -> list[int]:
+    """Edges of the context's places, in quarters of log2(seq_len): [0, T/64, T/16, T/4, T]
+    (the first places, whose tokens see almost no context, up to the last three quarters)."""
+    return [0, *sorted({max(1, seq_len // d) for d in (64, 16, 4)}), seq_len]
+
+
+def position_profile(
+    ckpt: Path, data: str | None, batch_size: int, seq_len: int, n_batches: int
+) -> dict[str, Any]:
+    """A trained model's held-out loss (causal routing) by place in the context, on the batches
+    training validated on: the mean over the places in each of `position_buckets`. Loss that
+    falls with the place is what the model learns from its context (repeats, copying); the
+    tokens-weighted mean of the buckets is the run's causal validation loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from .checkpoint import load_model
+    from .data import eval_batches, load_splits, load_tokenizer
+
+    model, _ = load_model(ckpt)
+    model.eval()
+    val = load_splits(data, load_tokenizer(ckpt))[1]
+    sums = torch.zeros(seq_len, dtype=torch.float64)
+    rows = 0
+    with torch.no_grad():
+        for x, y in eval_batches(val, batch_size, seq_len, n_batches):
+            logits = model(x, routing="causal").logits.float()
+            nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+            sums += nll.view_as(y).double().sum(0)
+            rows += len(x)
+    per_place = sums / rows
+    edges = position_buckets(seq_len)
+    return {
+        "edges": edges,
+        "loss": [float(per_place[a:b].mean()) for a, b in zip(edges, edges[1:], strict=False)],
+    }
+
+
+def position_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per budget of one context's grid, the best dense and the best MoD size's held-out loss by
+    place in the context (means over their seeds with a profile; runs from before the profile
+    was recorded have none). [] where no budget has both."""
+    body: list[str] = []
+    edges = None
+    for b in findings(rows)["budgets"]:
+        cells = []
+        for best in (b["best_dense"], b["best_mod"]):
+            prof = [
+                r["loss_by_position"]
+                for r in rows
+                if r["budget"] == b["budget"] and r["label"] == best["label"]
+                and "loss_by_position" in r
+            ]  # fmt: skip
+            if not prof:
+                break
+            edges = prof[0]["edges"]
+            cells.append(
+                ([sum(p["loss"][i] for p in prof) / len(prof) for i in range(len(edges) - 1)],
+                 len(prof))
+            )  # fmt: skip
+        if len(cells) < 2:
+            continue
+        (d, nd), (m, nm) = cells
+        body += [
+            f"| {b['budget']:.1e} | {a}-{z - 1} | {b['best_dense']['label']} ({nd}): {dv:.3f} | "
+            f"{b['best_mod']['label']} ({nm}): {mv:.3f} | {100 * (mv - dv) / dv:+.1f}% |"
+            for a, z, dv, mv in zip(edges, edges[1:], d, m, strict=False)
+        ]
+    if not body:
+        return []
+    return [
+        "Held-out loss by place in the context, the best dense against the best MoD (causal "
+        "routing; in parentheses the seeds averaged). Loss that falls with the place is what a "
+        "model learns from its context:",
+        "",
+        "| budget | places | best dense | best MoD | MoD vs dense |",
+        "|---|---|---|---|---|",
+        *body,
+    ]
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -896,6 +984,9 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
         pairs = size_for_size(rows, [n for n, _ in g.sizes])
         if pairs:
             lines += ["", *pairs]
+        places = position_table(rows)
+        if places:
+            lines += ["", *places]
         lines += [
             "",
             "| model | seed | budget | params | FLOPs/fwd token | steps | val loss top-k | "
