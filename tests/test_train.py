@@ -47,22 +47,37 @@ def test_resume_reproduces_uninterrupted_run(corpus: Path, tmp_path: Path, causa
     assert all(v["topk_flips"] == v["topk_flips"] for v in diag["resumed"][6].values())  # not NaN
 
 
-def test_checkpoints_between_evaluations_resume_exactly_inside_capacity_warmup(corpus, tmp_path):
-    """`checkpoint_every` writes checkpoints with no evaluation; a run killed right after one (at
-    step 3, inside the capacity warm-up) resumes to the uninterrupted run's losses, weights and
-    evaluations, bit-exact."""
+def test_checkpoints_between_evaluations_resume_exactly_inside_capacity_warmup(
+    corpus, tmp_path, monkeypatch
+):
+    """`checkpoint_every` writes checkpoints with no evaluation; a run killed two steps after one
+    (at step 3, inside the capacity warm-up) resumes from it to the uninterrupted run's losses,
+    weights and evaluations, bit-exact, its log cut back to the checkpoint's step."""
+    import mixture_of_depths.train as tr
+
     cfg = MoDConfig(**TINY, causal_router="predictor")
     kw = dict(steps=8, eval_every=8, capacity_warmup=5)
     full = tmp_path / "full"
     train(cfg, tc(corpus, full, **kw), progress=False)
     cut = tmp_path / "cut"
     t = tc(corpus, cut, checkpoint_every=3, **kw)
-    train_until(cfg, t, stop_at=3)
-    evals = [r for r in map(json.loads, (cut / "metrics.jsonl").open()) if "val_loss_topk" in r]
-    assert evals == []  # the step-3 checkpoint came without an evaluation
+    real_log = tr._log_step
+
+    def log_then_die(run, done, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        real_log(run, done, *a, **k)
+        if done == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tr, "_log_step", log_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, t, progress=False)
+    monkeypatch.setattr(tr, "_log_step", real_log)
+    rows = [json.loads(ln) for ln in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # no evaluation came with step 3's save
     train(None, t, resume=True, progress=False)
+    steps = [json.loads(ln)["step"] for ln in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 8]  # 4 and 5 again from the step-3 checkpoint
     want, got = losses(full), losses(cut)
-    assert sorted(got) == sorted(want) == list(range(1, 9))
     assert got == want  # bit-exact on CPU
     m_full, _ = load_model(full / "checkpoint")
     m_cut, _ = load_model(cut / "checkpoint")

@@ -194,6 +194,7 @@ def run_one(
     )
     evals = settings.eval_every_runs if spec.evaluations is None else spec.evaluations
     out = work / spec.name
+    log_every = max(1, min(10, steps))
     tc = TrainConfig(
         out=str(out),
         data=data,
@@ -206,10 +207,10 @@ def run_one(
         warmup_steps=max(1, min(50, steps // 10)),
         eval_every=max(1, steps // evals),
         # Checkpoints between the (few) evaluations, so a study killed mid-run loses at most a
-        # twentieth of that run.
-        checkpoint_every=max(1, steps // 20),
+        # twentieth of that run; at log steps, where the run's elapsed time is brought up to date.
+        checkpoint_every=max(log_every, steps // 20 // log_every * log_every),
         eval_batches=settings.eval_batches,
-        log_every=max(1, min(10, steps)),
+        log_every=log_every,
         seed=spec.seed,
     )
     resume = has_checkpoint(out)  # .checkpoint.old counts: a kill between a write's renames

@@ -21,9 +21,10 @@ loss over the two seeds among the learned variants), BPE tokens (vocabulary 4096
 and cached), at 256 and 1024 tokens of context with 4096 tokens per step, three budgets up to
 1.5e14 training FLOPs, three sizes at each (and the next size out wherever an architecture's best
 lands on an edge, so each curve shows its minimum); the best two sizes of each architecture at
-each budget train again with a second seed. Each grid run's checkpoint is profiled before it is
+each budget train again with a second seed. Each run's checkpoint is profiled before it is
 deleted: its held-out loss by place in the context (`position_profile`), which tells what a
-model learns from its context apart from the rest. About 20 hours on 2 CPU cores (~90 GFLOP/s),
+model learns from its context apart from the rest (runs finished before this profile existed
+have none). About 20 hours on 2 CPU cores (~90 GFLOP/s),
 so it runs over several sessions: rerun to resume.
 
 Runs, resumption and FLOP accounting are `study.py`'s: an interrupted study resumes where it
@@ -441,11 +442,12 @@ def _result_of(
     shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
     if spec.group == "ablation" and spec.model.get("layer_pattern", "D") != "D":
         row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
-    if spec.group in ("isoflop", "seed"):
-        batch = s.grid.batch_size if spec.batch_size is None else spec.batch_size
-        row["loss_by_position"] = position_profile(
-            folder / "checkpoint", data, batch, spec.seq_len, s.grid.eval_batches
-        )
+    # every trained run, so that a grid row reusing it (`_twin`) has one too
+    batch = s.grid.batch_size if spec.batch_size is None else spec.batch_size
+    seq_len = s.grid.seq_len if spec.seq_len is None else spec.seq_len
+    row["loss_by_position"] = position_profile(
+        folder / "checkpoint", data, batch, seq_len, s.grid.eval_batches
+    )
     return row, folder
 
 
@@ -555,9 +557,10 @@ def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
 
 
 def position_buckets(seq_len: int) -> list[int]:
-    """Edges of the context's places, in quarters of log2(seq_len): [0, T/64, T/16, T/4, T]
-    (the first places, whose tokens see almost no context, up to the last three quarters)."""
-    return [0, *sorted({max(1, seq_len // d) for d in (64, 16, 4)}), seq_len]
+    """Edges of the context's places: [0, T/64, T/16, T/4, T] (the first places, whose tokens see
+    almost no context, up to the last three quarters), without empty buckets."""
+    inner = {seq_len // d for d in (64, 16, 4)} - {0, seq_len}
+    return [0, *sorted(inner), seq_len]
 
 
 def position_profile(
@@ -565,8 +568,10 @@ def position_profile(
 ) -> dict[str, Any]:
     """A trained model's held-out loss (causal routing) by place in the context, on the batches
     training validated on: the mean over the places in each of `position_buckets`. Loss that
-    falls with the place is what the model learns from its context (repeats, copying); the
-    tokens-weighted mean of the buckets is the run's causal validation loss."""
+    falls with the place is what the model learns from its context (repeats, copying). On the
+    CPU in float32, as the study trains, the place-weighted mean of the buckets is the run's
+    causal validation loss (the trainer autocasts on a GPU; this runs in float32 on the CPU),
+    except under random routing, which draws its decisions anew."""
     import torch
     import torch.nn.functional as F
 
