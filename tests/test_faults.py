@@ -435,6 +435,10 @@ def _damage(ck: Path, name: str, how: str, marker: Path) -> None:
         torch.save({"embed.weight": torch.zeros(3)}, path)
     elif how == "pickle":
         path.write_bytes(pickle.dumps(_Boom(marker)))
+    elif how.startswith("rng="):  # the generator state replaced, the rest kept
+        state = json.loads(path.read_text())
+        state["rng"] = json.loads(how[4:])
+        path.write_text(json.dumps(state))
     else:
         path.write_text(how)  # literal JSON text
 
@@ -451,6 +455,9 @@ DAMAGE = [
     ("config.json", '{"d_model": "wide"}'),
     ("trainer.json", "{}"),
     ("trainer.json", '{"step": 3, "sampler": {}, "train_config": {}}'),
+    ("trainer.json", 'rng={"cpu": "AAAA"}'),  # base64, but not a generator's state
+    ("trainer.json", 'rng={"cpu": "not base64!"}'),
+    ("trainer.json", "rng=[]"),
     ("optimizer.json", "{}"),
     ("tokenizer.json", "\x00\x01 not a tokenizer"),
 ]

@@ -47,15 +47,17 @@ def test_resume_reproduces_uninterrupted_run(corpus: Path, tmp_path: Path, causa
     assert all(v["topk_flips"] == v["topk_flips"] for v in diag["resumed"][6].values())  # not NaN
 
 
+@pytest.mark.parametrize("scores", ["learned", "random"])
 def test_checkpoints_between_evaluations_resume_exactly_inside_capacity_warmup(
-    corpus, tmp_path, monkeypatch
+    corpus, tmp_path, monkeypatch, scores
 ):
     """`checkpoint_every` writes checkpoints with no evaluation; a run killed two steps after one
     (at step 3, inside the capacity warm-up) resumes from it to the uninterrupted run's losses,
-    weights and evaluations, bit-exact, its log cut back to the checkpoint's step."""
+    weights and evaluations, bit-exact, its log cut back to the checkpoint's step. Random
+    routing draws its scores from the global generator, so the checkpoint must carry its state."""
     import mixture_of_depths.train as tr
 
-    cfg = MoDConfig(**TINY, causal_router="predictor")
+    cfg = MoDConfig(**TINY, causal_router="predictor", router_scores=scores)
     kw = dict(steps=8, eval_every=8, capacity_warmup=5)
     full = tmp_path / "full"
     train(cfg, tc(corpus, full, **kw), progress=False)

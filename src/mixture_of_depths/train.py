@@ -12,6 +12,7 @@ of (seed, step).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import hashlib
@@ -716,7 +717,37 @@ def _start(
     # The predictor is clipped on its own: its gradient must not rescale the LM's update.
     for name, param in model.named_parameters():
         (run.predictor_params if ".predictor." in name else run.lm_params).append(param)
+    if trainer_state and "rng" in trainer_state:  # last: loading a teacher draws from it too
+        _restore_rng(ckpt / "trainer.json", trainer_state["rng"], device)
     return run
+
+
+def _rng_state(device: torch.device) -> dict[str, str]:
+    """The global generators' states (base64), which random routing draws its scores from:
+    without them a resumed random-routing run would draw other scores than an unbroken one.
+    Every rank seeds and draws alike, so rank 0's state stands for all."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return {k: base64.b64encode(v.numpy().tobytes()).decode("ascii") for k, v in states.items()}
+
+
+def _restore_rng(path: Path, states: Any, device: torch.device) -> None:
+    """Set the generators `_rng_state` saved; a CUDA state is skipped on a run resumed off
+    CUDA (its draws then differ, as they would on another device anyway)."""
+    if not isinstance(states, dict) or not isinstance(states.get("cpu"), str):
+        raise corrupt(path, "'rng' must be an object holding a base64 'cpu' state")
+    try:
+        cpu = _state_tensor(states["cpu"])
+        torch.set_rng_state(cpu)
+        if device.type == "cuda" and isinstance(states.get("cuda"), str):
+            torch.cuda.set_rng_state(_state_tensor(states["cuda"]), device)
+    except (ValueError, RuntimeError) as exc:
+        raise corrupt(path, f"its 'rng' state cannot be restored ({exc})") from None
+
+
+def _state_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
 
 
 def _with_teacher(model: MoDTransformer, tc: TrainConfig, device: torch.device) -> Any:
@@ -1022,6 +1053,7 @@ def _trainer_state(run: _Run, done: int) -> dict[str, Any]:
         "parallel": run.parallel,
         "routing_probe": pack_masks(run.probe_masks),
         "capacity_warmup_steps": run.capacity_warmup,
+        "rng": _rng_state(run.device),
     }
 
 
