@@ -615,10 +615,8 @@ def position_table(rows: list[dict[str, Any]]) -> list[str]:
             if not prof:
                 break
             edges = prof[0]["edges"]
-            cells.append(
-                ([sum(p["loss"][i] for p in prof) / len(prof) for i in range(len(edges) - 1)],
-                 len(prof))
-            )  # fmt: skip
+            means = [sum(v) / len(prof) for v in zip(*(p["loss"] for p in prof), strict=True)]
+            cells.append((means, len(prof)))
         if len(cells) < 2:
             continue
         (d, nd), (m, nm) = cells
