@@ -94,6 +94,35 @@ def test_checkpoints_between_evaluations_resume_exactly_inside_capacity_warmup(
         TrainConfig(checkpoint_every=-1)
 
 
+def test_a_checkpoint_between_log_steps_keeps_the_unlogged_training_time(
+    corpus, tmp_path, monkeypatch
+):
+    """Training time is banked at log steps; a checkpoint between them (step 3, logs every 5)
+    must still hold the time of every step it holds, or a resumed run's train_time_s drops it."""
+    import time
+
+    import mixture_of_depths.train as tr
+
+    real_step, pause = tr._train_step, 0.05
+
+    def slow_step(run, step):  # noqa: ANN001, ANN202
+        if step == 3:  # step 4: killed after the step-3 checkpoint
+            raise KeyboardInterrupt
+        time.sleep(pause)  # a floor under each step's training time
+        return real_step(run, step)
+
+    monkeypatch.setattr(tr, "_train_step", slow_step)
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        train(MoDConfig(**TINY), tc(corpus, out, steps=6, eval_every=6, log_every=5,
+                                    checkpoint_every=3), progress=False)  # fmt: skip
+    wall = time.perf_counter() - t0
+    state = json.loads((out / "checkpoint" / "trainer.json").read_text())
+    assert state["step"] == 3
+    assert 3 * pause <= state["elapsed_s"] <= wall
+
+
 def test_checkpoint_round_trip_gives_identical_logits(tmp_path: Path):
     for tie in (True, False):
         cfg = MoDConfig(**TINY, tie_embeddings=tie, routing="staggered", causal_router="predictor")

@@ -207,7 +207,7 @@ def run_one(
         warmup_steps=max(1, min(50, steps // 10)),
         eval_every=max(1, steps // evals),
         # Checkpoints between the (few) evaluations, so a study killed mid-run loses at most a
-        # twentieth of that run; at log steps, where the run's elapsed time is brought up to date.
+        # twentieth of that run; at log steps, so that every checkpoint has its line in the log.
         checkpoint_every=max(log_every, steps // 20 // log_every * log_every),
         eval_batches=settings.eval_batches,
         log_every=log_every,

@@ -944,13 +944,15 @@ def _evaluate_and_save(run: _Run, done: int, bar: tqdm) -> dict[str, Any]:
     diag = _routing_probe(run)
     run.log.write({"step": done, **ev, **({"routing_diag": diag} if diag else {})})
     bar.write(format_eval(done, ev))
-    _checkpoint(run, done)
+    _checkpoint(run, done, run.elapsed + (t0 - run.window_t))
     run.window_t += time.perf_counter() - t0
     return ev
 
 
-def _checkpoint(run: _Run, done: int) -> None:
-    """An atomic checkpoint of the run after `done` steps (a collective under torchrun)."""
+def _checkpoint(run: _Run, done: int, elapsed: float) -> None:
+    """An atomic checkpoint of the run after `done` steps and `elapsed` training seconds (the
+    logged time plus the window not yet logged: a checkpoint between log steps keeps it too);
+    a collective under torchrun."""
     if run.sharded_checkpoints:  # every rank writes its shards
         save_sharded_checkpoint(
             run.ckpt_dir,
@@ -958,13 +960,13 @@ def _checkpoint(run: _Run, done: int) -> None:
             run.opt,
             run.model_config,
             run.env,
-            trainer_state=_trainer_state(run, done),
+            trainer_state=_trainer_state(run, done, elapsed),
             tokenizer=run.tokenizer,
         )
     else:
         weights, opt_state = D.full_state(run.model, run.opt)  # a collective when sharded
         if run.env.is_main:
-            _save(run, done, weights, opt_state)
+            _save(run, weights, opt_state, _trainer_state(run, done, elapsed))
     D.barrier(run.env)  # no rank runs ahead of a checkpoint being written
     run.saved_step = done
 
@@ -1027,7 +1029,7 @@ def _evaluate(run: _Run) -> dict[str, Any]:
 
 
 def _save(
-    run: _Run, done: int, weights: dict[str, torch.Tensor] | None, opt_state: dict | None
+    run: _Run, weights: dict[str, torch.Tensor] | None, opt_state: dict | None, state: dict
 ) -> None:
     save_checkpoint(
         run.ckpt_dir,
@@ -1036,16 +1038,16 @@ def _save(
         weights=weights,
         optimizer=run.opt if opt_state is None else opt_state,
         tokenizer=run.tokenizer,
-        trainer_state=_trainer_state(run, done),
+        trainer_state=state,
     )
 
 
-def _trainer_state(run: _Run, done: int) -> dict[str, Any]:
+def _trainer_state(run: _Run, done: int, elapsed: float) -> dict[str, Any]:
     return {
         "step": done,
         "sampler": run.sampler.state_dict(),
         "data_fingerprint": run.fingerprint,
-        "elapsed_s": run.elapsed,
+        "elapsed_s": elapsed,
         "train_config": dataclasses.asdict(run.tc),
         # How it was written (informational: any world size and mode resumes either kind).
         "checkpoint_format": "sharded" if run.sharded_checkpoints else "whole",
@@ -1163,7 +1165,7 @@ def _train_loop(run: _Run, progress: bool) -> dict[str, Any]:
             elif tc.checkpoint_every and done % tc.checkpoint_every == 0:
                 _check_finite(run, done)
                 t0 = time.perf_counter()
-                _checkpoint(run, done)
+                _checkpoint(run, done, run.elapsed + (t0 - run.window_t))
                 run.window_t += time.perf_counter() - t0  # kept out of tokens/s, as evals are
     finally:
         bar.close()
