@@ -458,6 +458,7 @@ DAMAGE = [
     ("trainer.json", 'rng={"cpu": "AAAA"}'),  # base64, but not a generator's state
     ("trainer.json", 'rng={"cpu": "not base64!"}'),
     ("trainer.json", "rng=[]"),
+    ("trainer.json", 'rng={"cpu": "AAAA", "cuda": 5}'),
     ("optimizer.json", "{}"),
     ("tokenizer.json", "\x00\x01 not a tokenizer"),
 ]

@@ -485,6 +485,8 @@ def _read_trainer_state(ckpt: Path) -> dict[str, Any]:
         raise corrupt(path, f"'sampler' must hold integer 'seed' and 'step', got {sampler!r}")
     if not isinstance(state["train_config"], dict):
         raise corrupt(path, "'train_config' must be an object")
+    if "rng" in state:  # checked now, before a resume changes anything; set at the end of setup
+        _rng_tensors(path, state["rng"])
     return state
 
 
@@ -735,15 +737,33 @@ def _rng_state(device: torch.device) -> dict[str, str]:
 def _restore_rng(path: Path, states: Any, device: torch.device) -> None:
     """Set the generators `_rng_state` saved; a CUDA state is skipped on a run resumed off
     CUDA (its draws then differ, as they would on another device anyway)."""
-    if not isinstance(states, dict) or not isinstance(states.get("cpu"), str):
-        raise corrupt(path, "'rng' must be an object holding a base64 'cpu' state")
+    tensors = _rng_tensors(path, states)
+    torch.set_rng_state(tensors["cpu"])
+    if device.type == "cuda" and "cuda" in tensors:
+        try:
+            torch.cuda.set_rng_state(tensors["cuda"], device)
+        except RuntimeError as exc:
+            raise corrupt(path, f"its 'rng' CUDA state cannot be restored ({exc})") from None
+
+
+def _rng_tensors(path: Path, states: Any) -> dict[str, torch.Tensor]:
+    """The saved generator states, checked: each base64 text, the CPU one a state that
+    `torch.set_rng_state` takes (tried, then the current state put back)."""
+    if (
+        not isinstance(states, dict)
+        or not isinstance(states.get("cpu"), str)
+        or not all(k in ("cpu", "cuda") and isinstance(v, str) for k, v in states.items())
+    ):
+        raise corrupt(path, "'rng' must be an object of base64 texts: 'cpu', and 'cuda' if any")
+    now = torch.get_rng_state()
     try:
-        cpu = _state_tensor(states["cpu"])
-        torch.set_rng_state(cpu)
-        if device.type == "cuda" and isinstance(states.get("cuda"), str):
-            torch.cuda.set_rng_state(_state_tensor(states["cuda"]), device)
+        tensors = {k: _state_tensor(v) for k, v in states.items()}
+        torch.set_rng_state(tensors["cpu"])
     except (ValueError, RuntimeError) as exc:
         raise corrupt(path, f"its 'rng' state cannot be restored ({exc})") from None
+    finally:
+        torch.set_rng_state(now)
+    return tensors
 
 
 def _state_tensor(text: str) -> torch.Tensor:
