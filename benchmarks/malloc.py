@@ -1,7 +1,7 @@
 """Training speed with `mod`'s malloc setting (freed memory kept for reuse) against glibc's
 default, on a BPE-sized model: each arm is a fresh process, the arms alternate, and each round
 times the same seeded steps. Reports tokens/s, page faults and kernel time per step, the
-speed ratio, and ends with one line of JSON. See `mixture_of_depths.malloc` for why.
+speed ratio, and ends with one line of JSON. See `mixture_of_depths.runtime.malloc` for why.
 
     python benchmarks/malloc.py                  # the study's ctx1024 shape: 4 x 1024, vocab 4096
     python benchmarks/malloc.py --seq-len 256 --batch-size 16
@@ -23,7 +23,7 @@ ARMS = ("default", "kept")
 
 def child(args: argparse.Namespace) -> dict:
     """One arm in this process: optionally keep freed memory, then time `steps` training steps."""
-    from mixture_of_depths.malloc import keep_freed_memory
+    from mixture_of_depths.runtime.malloc import keep_freed_memory
 
     applied = keep_freed_memory() if args.child == "kept" else False
     import torch
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(out))
         return out
 
-    from mixture_of_depths.malloc import ENV, user_malloc_settings
+    from mixture_of_depths.runtime.malloc import ENV, user_malloc_settings
 
     # the arms' own settings decide, not the caller's: clear any malloc tuning from the env
     drop = {ENV, *user_malloc_settings(os.environ)}

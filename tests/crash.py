@@ -39,7 +39,7 @@ def main() -> int:
         rank or "0"
     ):
         point = "none"
-    import mixture_of_depths.checkpoint as ck
+    import mixture_of_depths.runtime.checkpoint as ck
     import mixture_of_depths.train as tr
     from mixture_of_depths.cli import main as mod
 

@@ -125,10 +125,10 @@ def train_until(
     cfg: MoDConfig, t: TrainConfig, stop_at: int, saver: str = "save_checkpoint"
 ) -> None:
     """Run `t` but die right after the checkpoint at `stop_at` (as a crash would); `saver`: the
-    checkpoint writer train.py calls (`save_sharded_checkpoint` for sharded runs)."""
+    checkpoint writer the training loop calls (`save_sharded_checkpoint` for sharded runs)."""
     import pytest
 
-    import mixture_of_depths.train as tr
+    import mixture_of_depths.train.loop as tr
 
     real = getattr(tr, saver)
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mixture_of_depths import MoDConfig, MoDTransformer
-from mixture_of_depths.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.cli import main
 from mixture_of_depths.convert import UnsupportedModel, convert, mod_config
 from mixture_of_depths.data import BPETokenizer, ByteTokenizer, load_tokenizer
+from mixture_of_depths.runtime.checkpoint import load_model, save_checkpoint
 
 
 def needs_transformers():  # noqa: ANN201

@@ -149,7 +149,7 @@ def test_fsdp_equals_one_process_a_rank_killed_mid_save_keeps_the_last_checkpoin
     2-rank shards), and both end as the uninterrupted single process did; the 3-rank job's own
     sharded checkpoint consolidates into a single-file one that holds the same weights and
     optimizer state."""
-    from mixture_of_depths.checkpoint import is_sharded, load_model, load_optimizer_state
+    from mixture_of_depths.runtime.checkpoint import is_sharded, load_model, load_optimizer_state
 
     crash = str(Path(__file__).with_name("crash.py"))
     out = tmp_path / "fsdp"
@@ -220,7 +220,7 @@ def test_expert_layers_under_ddp_and_fsdp_equal_micro_batches_in_one_process(cor
                 assert g["moe_loss"] == pytest.approx(w["moe_loss"], rel=1e-5)
                 assert set(g["expert_share"]) == set(w["expert_share"]) == {"0", "1", "2", "3"}
     # --checkpoint-format whole under FSDP2: rank 0 wrote the gathered weights, one file.
-    from mixture_of_depths.checkpoint import load_model
+    from mixture_of_depths.runtime.checkpoint import load_model
 
     a, b = load_model(fsdp / "checkpoint")[0], load_model(acc / "checkpoint")[0]
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
@@ -335,7 +335,7 @@ def test_two_node_job_on_one_machine_equals_one_process(corpus, tmp_path, env, r
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-4000:]
     assert_same_run(logged(two), reference, "two nodes x 1 process (DDP, sharded checkpoints)")
-    from mixture_of_depths.checkpoint import is_sharded, load_model
+    from mixture_of_depths.runtime.checkpoint import is_sharded, load_model
 
     assert is_sharded(two / "checkpoint") and len(shard_files(two / "checkpoint")) == 2
     assert load_model(two / "checkpoint")[0].num_params() > 0

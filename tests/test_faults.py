@@ -27,9 +27,15 @@ from helpers import TINY, losses, tc, write_corpus
 from safetensors.torch import load_file, save_file
 
 from mixture_of_depths import MoDConfig, MoDTransformer, generate
-from mixture_of_depths.checkpoint import CheckpointError, save_checkpoint
 from mixture_of_depths.cli import main
-from mixture_of_depths.runlock import LOCK_NAME, RunLock, RunLockedError, _boot_id, _start_time
+from mixture_of_depths.runtime.checkpoint import CheckpointError, save_checkpoint
+from mixture_of_depths.runtime.runlock import (
+    LOCK_NAME,
+    RunLock,
+    RunLockedError,
+    _boot_id,
+    _start_time,
+)
 from mixture_of_depths.train import TrainConfig, TrainingDiverged, train
 
 CRASH = Path(__file__).with_name("crash.py")
@@ -170,7 +176,7 @@ def test_overwrite_removes_the_old_run_before_anything_else(shared, capsys, monk
     # Crashed after the new run's first step (before its first checkpoint): nothing of the old
     # run remains for --resume to continue, and the trash of the first attempt is gone.
     monkeypatch.setattr(
-        "mixture_of_depths.train._log_step", lambda *a: (_ for _ in ()).throw(Crash)
+        "mixture_of_depths.train.loop._log_step", lambda *a: (_ for _ in ()).throw(Crash)
     )
     with pytest.raises(Crash):
         main(args)
@@ -309,7 +315,7 @@ def test_nan_after_a_checkpoint_keeps_it_and_names_the_step(corpus, tmp_path, mo
     real_forward = MoDTransformer.forward
     _nan_from_call(monkeypatch, 5)  # step 5 goes bad; looked at on step 6 (log_every=3)
     t = tc(corpus, out, steps=12, eval_every=3, log_every=3)
-    import mixture_of_depths.train as tr
+    import mixture_of_depths.train.loop as tr
 
     hashes = {}
     real_save = tr.save_checkpoint
@@ -365,7 +371,7 @@ def test_a_random_score_checkpoint_with_predictors_is_refused_by_name(tmp_path):
     """Older versions built predictors under random router scores, and they decided its causal
     routing; this one does not, so such a checkpoint is refused, saying why, not loaded to route
     differently."""
-    from mixture_of_depths.checkpoint import load_model
+    from mixture_of_depths.runtime.checkpoint import load_model
 
     cfg = MoDConfig(**TINY, causal_router="predictor")
     ck = save_checkpoint(tmp_path / "ck", MoDTransformer(cfg), cfg)
@@ -612,17 +618,15 @@ def test_targets_are_checked():
 
 
 def test_the_watch_sees_the_predictor_gradient_too():
-    from types import SimpleNamespace
+    from mixture_of_depths.train.state import FiniteWatch
 
-    import mixture_of_depths.train as tr
-
-    run = SimpleNamespace(bad_step=torch.zeros((), dtype=torch.int64), bad_values=torch.zeros(3))
+    watch = FiniteWatch.on(torch.device("cpu"))
     one = torch.tensor(1.0)
-    tr._watch_finite(run, 1, one, one, one)
-    assert int(run.bad_step) == 0
-    tr._watch_finite(run, 2, one, one, one * float("inf"))  # only the predictor's norm
-    tr._watch_finite(run, 3, one * float("nan"), one, one)  # the first bad step is kept
-    assert int(run.bad_step) == 2 and run.bad_values.tolist() == [1.0, 1.0, float("inf")]
+    watch.record(1, one, one, one)
+    assert int(watch.bad_step) == 0
+    watch.record(2, one, one, one * float("inf"))  # only the predictor's norm
+    watch.record(3, one * float("nan"), one, one)  # the first bad step is kept
+    assert int(watch.bad_step) == 2 and watch.bad_values.tolist() == [1.0, 1.0, float("inf")]
 
 
 def test_seeds_keep_their_whole_range():
@@ -641,14 +645,14 @@ def test_training_on_cuda_checks_and_saves_its_checkpoints(corpus, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_divergence_watch_has_no_host_sync_cuda(corpus, tmp_path):
-    import mixture_of_depths.train as tr
+    from mixture_of_depths.train.setup import start
 
-    run = tr._start(MoDConfig(**TINY), tc(corpus, tmp_path / "r", device="cuda"), False, False)
+    run = start(MoDConfig(**TINY), tc(corpus, tmp_path / "r", device="cuda"), False, False)
     loss = torch.tensor(1.0, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tr._watch_finite(run, 1, loss, loss * float("nan"), loss)
+        run.watch.record(1, loss, loss * float("nan"), loss)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert int(run.bad_step) == 1
+    assert int(run.watch.bad_step) == 1

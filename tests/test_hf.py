@@ -150,9 +150,9 @@ def test_what_transformers_cannot_do_with_a_mod_model_is_refused(hf_model):
 def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind):
     """`mod export --hf` writes a folder transformers loads (model and tokenizer, same ids);
     `mod convert --from-hf` brings it back to the same weights and tokenizer."""
-    from mixture_of_depths.checkpoint import load_model, save_checkpoint
     from mixture_of_depths.cli import main
     from mixture_of_depths.data import BPETokenizer, ByteTokenizer, load_tokenizer
+    from mixture_of_depths.runtime.checkpoint import load_model, save_checkpoint
 
     text = "def f(x):\n    return 'héllo ☃' + x\n" * 20
     if kind == "byte":

@@ -230,9 +230,9 @@ def test_text_classes_of_bpe_tokens():
 
 
 def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
-    from mixture_of_depths.checkpoint import save_checkpoint
     from mixture_of_depths.cli import main
     from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
 
     model = make_model(tiny_config(vocab_size=257), dtype=torch.float32)
     ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
@@ -275,9 +275,9 @@ def test_the_page_renders_in_a_real_browser(tmp_path):
     import shutil
     import subprocess
 
-    from mixture_of_depths.checkpoint import save_checkpoint
     from mixture_of_depths.cli import main
     from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
 
     names = ("chromium", "chromium-browser", "google-chrome", "chrome", "headless_shell")
     browser = next((b for b in map(shutil.which, names) if b), None)

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from mixture_of_depths.malloc import ENV, keep_freed_memory, user_malloc_settings
+from mixture_of_depths.runtime.malloc import ENV, keep_freed_memory, user_malloc_settings
 
 # A child process: optionally apply the setting, then allocate, fill and free a 64 MiB tensor
 # (a BPE step's logits) 15 times; print whether it applied and the minor faults of the last 10.
 CHILD = """
 import json, resource, sys, torch
-from mixture_of_depths.malloc import keep_freed_memory
+from mixture_of_depths.runtime.malloc import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "1" else False
 def touch():
     t = torch.empty(4096 * 4096, dtype=torch.float32)

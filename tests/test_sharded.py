@@ -13,7 +13,9 @@ from helpers import TINY, losses, tc, train_until
 from safetensors import safe_open
 
 from mixture_of_depths import MoDConfig, MoDTransformer
-from mixture_of_depths.checkpoint import (
+from mixture_of_depths.cli import main
+from mixture_of_depths.data import ByteTokenizer
+from mixture_of_depths.runtime.checkpoint import (
     CheckpointError,
     consolidate_checkpoint,
     is_sharded,
@@ -22,9 +24,7 @@ from mixture_of_depths.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
-from mixture_of_depths.cli import main
-from mixture_of_depths.data import ByteTokenizer
-from mixture_of_depths.distributed import DistEnv
+from mixture_of_depths.runtime.distributed import DistEnv
 from mixture_of_depths.train import TrainConfig, make_optimizer, train
 
 

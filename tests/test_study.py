@@ -224,8 +224,8 @@ def test_convert_plan_trains_each_variant_and_times_it_beside_dense(tiny, tmp_pa
     pytest.importorskip("transformers", minversion="5")
     import mixture_of_depths.study_convert as sc
     import mixture_of_depths.study_kv as sk
-    from mixture_of_depths.checkpoint import load_model
-    from mixture_of_depths.tune import is_router_param
+    from mixture_of_depths.runtime.checkpoint import load_model
+    from mixture_of_depths.train.tune import is_router_param
 
     _, data = tiny
     monkeypatch.setattr(sc, "QUICK", sc.Settings("tiny-dense", 3, 2, 2, 1))

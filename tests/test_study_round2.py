@@ -18,7 +18,7 @@ from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.data import corpus_files, make_tokenizer, split_files
 from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.study import RunSpec, steps_for_budget
-from mixture_of_depths.tune import capacity_at
+from mixture_of_depths.train.tune import capacity_at
 
 
 def test_steps_for_budget_charges_the_warm_up_step_by_step():
@@ -409,7 +409,7 @@ def test_a_run_finished_while_we_claimed_it_is_not_trained_again(tmp_path, monke
 
 
 def test_a_claim_that_cannot_be_checked_is_an_error_not_a_wait(tmp_path):
-    from mixture_of_depths.runlock import RunLockedError
+    from mixture_of_depths.runtime.runlock import RunLockedError
 
     (tmp_path / "x.lock").write_text(
         json.dumps({"host": "elsewhere", "pid": 1, "boot": "another-boot", "since": "then"})

@@ -12,10 +12,10 @@ import torch
 from helpers import TINY, losses, tc, train_until
 
 from mixture_of_depths import MoDConfig, MoDTransformer
-from mixture_of_depths.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.cli import main
 from mixture_of_depths.data import ByteTokenizer
 from mixture_of_depths.flops import estimate_flops
+from mixture_of_depths.runtime.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.train import TrainConfig, lr_at, train
 
 
@@ -55,7 +55,7 @@ def test_checkpoints_between_evaluations_resume_exactly_inside_capacity_warmup(
     (at step 3, inside the capacity warm-up) resumes from it to the uninterrupted run's losses,
     weights and evaluations, bit-exact, its log cut back to the checkpoint's step. Random
     routing draws its scores from the global generator, so the checkpoint must carry its state."""
-    import mixture_of_depths.train as tr
+    import mixture_of_depths.train.loop as tr
 
     cfg = MoDConfig(**TINY, causal_router="predictor", router_scores=scores)
     kw = dict(steps=8, eval_every=8, capacity_warmup=5)
@@ -101,7 +101,7 @@ def test_a_checkpoint_between_log_steps_keeps_the_unlogged_training_time(
     must still hold the time of every step it holds, or a resumed run's train_time_s drops it."""
     import time
 
-    import mixture_of_depths.train as tr
+    import mixture_of_depths.train.loop as tr
 
     real_step, pause = tr._train_step, 0.05
 
@@ -148,7 +148,7 @@ def test_checkpoint_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.M
     def boom(*a, **kw):
         raise OSError("disk full")
 
-    monkeypatch.setattr("mixture_of_depths.checkpoint.write_json", boom)
+    monkeypatch.setattr("mixture_of_depths.runtime.checkpoint.write_json", boom)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path / "ck", model, cfg)
     assert (d / "model.safetensors").read_bytes() == before  # old checkpoint intact

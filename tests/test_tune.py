@@ -14,12 +14,12 @@ import torch
 from helpers import losses, tc, train_until
 
 from mixture_of_depths import MoDConfig, MoDTransformer
-from mixture_of_depths.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.cli import main
 from mixture_of_depths.convert import convert, llama_config, to_llama
 from mixture_of_depths.data import ByteTokenizer
+from mixture_of_depths.runtime.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.train import train
-from mixture_of_depths.tune import Distilled, capacity_at, dense_teacher, is_router_param
+from mixture_of_depths.train.tune import Distilled, capacity_at, dense_teacher, is_router_param
 
 DENSE = MoDConfig(vocab_size=257, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   max_seq_len=32, layer_pattern="D")  # fmt: skip

@@ -267,7 +267,7 @@ def convert_folder(
 ) -> tuple[Path, MoDConfig]:
     """A Llama-family folder (config.json, safetensors weights, tokenizer.json) converted to our
     checkpoint at `out` (which must not hold one)."""
-    from .checkpoint import save_checkpoint
+    from .runtime.checkpoint import save_checkpoint
 
     d, out = Path(directory), Path(out)
     if out.exists() and any(out.iterdir()):

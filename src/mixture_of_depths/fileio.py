@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -90,3 +91,13 @@ def write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def remove_temps(folder: Path, pattern: str) -> None:
+    """Remove the temporary files and folders matching `pattern` in `folder`: what writes cut
+    short by a crash left (``atomic_write``'s temp files, a checkpoint's copy folder)."""
+    for tmp in Path(folder).glob(pattern):
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)

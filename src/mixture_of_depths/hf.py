@@ -366,8 +366,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Our checkpoint as a transformers folder: config.json, model.safetensors,
     generation_config.json and the tokenizer (`AutoModelForCausalLM` and `AutoTokenizer` load it
     once `mixture_of_depths.hf` is imported)."""
-    from .checkpoint import load_model, resolve_checkpoint
     from .data import load_tokenizer
+    from .runtime.checkpoint import load_model, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     model, _ = load_model(ckpt)
@@ -389,9 +389,9 @@ def export_llama(checkpoint: str | Path, out: str | Path) -> Path:
     no import of ours needed), with its tokenizer."""
     from safetensors.torch import save_file
 
-    from .checkpoint import load_model, resolve_checkpoint
     from .convert import llama_config, to_llama
     from .data import load_tokenizer
+    from .runtime.checkpoint import load_model, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     model, cfg = load_model(ckpt)
@@ -414,7 +414,7 @@ def export_llama(checkpoint: str | Path, out: str | Path) -> Path:
 
 def import_pretrained(directory: str | Path, out: str | Path) -> Path:
     """A transformers folder of a MoD model (`export_checkpoint`'s) as our checkpoint."""
-    from .checkpoint import save_checkpoint
+    from .runtime.checkpoint import save_checkpoint
 
     config = AutoConfig.from_pretrained(directory)
     if not isinstance(config, MoDHFConfig):

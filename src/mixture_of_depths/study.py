@@ -256,7 +256,7 @@ def steps_for_budget(
     """(steps, warm-up steps, training FLOPs spent): the most steps whose training FLOPs fit in
     `budget`, with the capacity warmed up from 1.0 over `warmup_share` of them (each warm-up
     step charged at its own capacity, `tune.capacity_at`)."""
-    from .tune import capacity_at, warmup_steps
+    from .train.tune import capacity_at, warmup_steps
 
     per_step = estimate_flops(cfg, seq_len, batch_size, with_dense=False).train
     plain = max(1, math.floor(budget / per_step))

@@ -69,10 +69,10 @@ def run(
     data: str | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    from .checkpoint import resolve_checkpoint
     from .config import MoDConfig
     from .convert import convert_folder
     from .hf import export_llama
+    from .runtime.checkpoint import resolve_checkpoint
     from .train import TrainConfig, evaluate_checkpoint, has_checkpoint, train
 
     s = QUICK if quick else Settings()
@@ -155,7 +155,7 @@ def measure_decode(
 ) -> None:
     """Decode tokens/s of every model beside the dense original, one capacity at a time (the
     dense model timed in each group, so every ratio is of models timed side by side)."""
-    from .checkpoint import load_config
+    from .runtime.checkpoint import load_config
     from .study_kv import decode_speeds
 
     seq_len = load_config(work / "dense" / "checkpoint").max_seq_len

@@ -162,9 +162,9 @@ def measure_run(ckpt: Path, seq_len: int, data: str | None) -> dict[str, Any]:
     """The KV bytes per token the cache held in a greedy decode at batch 8 (had it been bf16),
     the take-rates of that decode, and the prefill calibration of the model saved in `ckpt`."""
     from .bench.decode import decode_run
-    from .checkpoint import load_model
     from .data import eval_batches
     from .generate import prefill_calibration
+    from .runtime.checkpoint import load_model
 
     model, cfg = load_model(ckpt)
     model.eval()
@@ -191,7 +191,7 @@ def decode_speeds(
     after a warm-up, and the spread (interquartile range / median). CPU, one thread; only the decode
     steps are timed (`bench.decode.decode_run`)."""
     from .bench.decode import decode_run
-    from .checkpoint import load_model
+    from .runtime.checkpoint import load_model
 
     models = {name: load_model(c)[0].eval() for name, c in ckpts.items()}
     prompts, new = _prompts(_val_tokens(next(iter(ckpts.values())), data), seq_len)
@@ -245,7 +245,7 @@ def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | No
     ``measures.jsonl`` (cache bytes, prefill calibration, training curve), then decode speed,
     cell by cell, for the cells with a run not yet in ``decode.jsonl`` (all of the cell's models
     again, side by side). Delete a file to measure again."""
-    from .checkpoint import resolve_checkpoint
+    from .runtime.checkpoint import resolve_checkpoint
     from .train import CHECKPOINT_NAME, has_checkpoint
 
     kept = [r for r in results if has_checkpoint(work / r["name"])]

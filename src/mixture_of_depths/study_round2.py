@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from .config import MoDConfig
 from .fileio import atomic_write_text, json_text
-from .runlock import RunLock, RunLockedError
+from .runtime.runlock import RunLock, RunLockedError
 from .study import (
     AUX_ROUTING,
     RunSpec,
@@ -514,9 +514,9 @@ def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
     of blocks taken against the predictive entropy."""
     import torch
 
-    from .checkpoint import load_model
     from .data import eval_batches, load_splits, load_tokenizer
     from .inspect import analyse
+    from .runtime.checkpoint import load_model
 
     model, cfg = load_model(ckpt)
     tokenizer = load_tokenizer(ckpt)
@@ -575,8 +575,8 @@ def position_profile(
     import torch
     import torch.nn.functional as F
 
-    from .checkpoint import load_model
     from .data import eval_batches, load_splits, load_tokenizer
+    from .runtime.checkpoint import load_model
 
     model, _ = load_model(ckpt)
     model.eval()

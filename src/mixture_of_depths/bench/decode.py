@@ -198,7 +198,7 @@ def build_models(
     args: argparse.Namespace, context: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[dict[str, MoDTransformer], dict[str, MoDConfig]]:
     if args.checkpoint is not None:
-        from mixture_of_depths.checkpoint import load_model
+        from mixture_of_depths.runtime.checkpoint import load_model
 
         mod, mod_cfg = load_model(args.checkpoint, map_location=device)
         if context > mod_cfg.max_seq_len:

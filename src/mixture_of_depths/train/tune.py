@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import MoDConfig
-from .model import MoDOutput, MoDTransformer
-from .precision import at_least_float32
+from ..config import MoDConfig
+from ..model import MoDOutput, MoDTransformer
+from ..precision import at_least_float32
 
 
 def is_router_param(name: str) -> bool:

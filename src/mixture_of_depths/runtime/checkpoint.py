@@ -33,10 +33,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from ..config import MoDConfig
+from ..fileio import (
+    atomic_save_tensors,
+    fsync_dir,
+    read_json,
+    remove_temps,
+    umask_mode,
+    write_json,
+)
+from ..model import MoDTransformer
 from . import distributed as D
-from .config import MoDConfig
-from .fileio import atomic_save_tensors, fsync_dir, read_json, umask_mode, write_json
-from .model import MoDTransformer
 from .sharded import SHARDS_DIR, local_tensors, read_shards, write_shards
 
 
@@ -94,8 +101,7 @@ def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
 def remove_stale_temps(final: Path) -> None:
     """Remove ``.<name>.*.tmp`` folders beside `final`: checkpoint writes cut short by a crash
     (each can be a whole model and optimizer copy)."""
-    for tmp in final.parent.glob(f".{final.name}.*.tmp"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    remove_temps(final.parent, f".{final.name}.*.tmp")
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,79 @@
+"""Flags shared by the commands: one flag per field of a config dataclass, and what the user
+gave of them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from ..config import FIELD_CHOICES, PRESETS, MoDConfig
+
+DEFAULT_PRESET = "small"
+
+
+def field_type(annotation: Any) -> Any:
+    """The scalar type of a dataclass field annotation such as ``int | None``."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    skip: set[str],
+    preset: bool = False,
+    choices: dict[str, tuple[str, ...]] = FIELD_CHOICES,
+) -> None:
+    """One flag per field, default None so that only flags the user gave override anything.
+
+    With `preset`, the flags override a model preset: their help shows what the default preset
+    gives (a preset sets d_model, layers, heads...; d_ff and n_kv_heads follow from them), not the
+    dataclass's own defaults, which no preset uses.
+    """
+    hints = typing.get_type_hints(cls)
+    base = MoDConfig.preset(DEFAULT_PRESET) if preset else None
+    from_preset = {k for p in PRESETS.values() for k in p} | {"d_ff", "n_kv_heads"}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = field_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if base is not None:
+            default = getattr(base, f.name)
+            if f.name in from_preset:
+                default = f"from --preset; {DEFAULT_PRESET}: {default}"
+            if f.name == "aux_loss_weight":  # None resolves by the causal router
+                default = "0.1 with the predictor, 0.01 with aux_loss"
+        if typ is bool:
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"(default: {default})",
+            )
+        elif f.name in choices:
+            parser.add_argument(
+                flag,
+                choices=choices[f.name],
+                default=None,
+                help=f"(default: {default})",
+            )
+        else:
+            parser.add_argument(
+                flag,
+                type=typ,
+                default=None,
+                metavar=typ.__name__.upper(),
+                help=f"(default: {default})",
+            )
+
+
+def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` among the parsed flags that the user gave (not None)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}

@@ -1,0 +1,111 @@
+"""`mod inspect`: where the compute went, token by token: pictures, numbers and a page."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data import ByteTokenizer, eval_batches, load_splits, load_tokenizer
+from ..fileio import atomic_write_text
+from ..inspect import analyse, class_table, extremes, html_page, plot, report_md
+from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint
+from ..runtime.device import resolve_device
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="where the compute went, token by token: pictures and numbers",
+        description="Route held-out text through a checkpoint in causal and top-k routing and "
+        "write routing.png, depth_hist.png, skip_runs.png, entropy.png and report.md: blocks "
+        "taken per token against independent per-router coins, the longest runs of skipped "
+        "blocks and their loss, Spearman's rho of blocks taken against entropy and loss, and the "
+        "share routed by token class.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", default=None, help="text file or folder: its validation split "
+                     "(default: the run's data)")  # fmt: skip
+    src.add_argument("--text", default=None, help="inspect this text instead")
+    p.add_argument("--out", default=None, help="(default: <checkpoint>/../inspect)")
+    p.add_argument("--rows", type=int, default=8, help="held-out rows (default: 8)")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="CHECKPOINT",
+        help="a dense twin trained on the same tokenizer (e.g. runs/dense/checkpoint): adds each "
+        "token's excess loss over it, by skip run and by blocks taken",
+    )
+    p.add_argument("--device", default="auto")
+
+
+def run(args: argparse.Namespace) -> int:
+
+    if args.rows < 1:
+        raise ValueError(f"--rows must be >= 1, got {args.rows}")
+    ckpt = resolve_checkpoint(args.checkpoint)
+    device = resolve_device(args.device)
+    model, cfg = load_model(ckpt, map_location=device)
+    tokenizer = load_tokenizer(ckpt)
+    baseline = None
+    if args.baseline is not None:
+        base_ckpt = resolve_checkpoint(args.baseline)
+        base_tok = load_tokenizer(base_ckpt)
+        if base_tok.fingerprint() != tokenizer.fingerprint():
+            raise ValueError(
+                f"--baseline {args.baseline} has another tokenizer ({base_tok!r}) than "
+                f"{args.checkpoint} ({tokenizer!r}): a per-token comparison needs the same tokens"
+            )
+        baseline = load_model(base_ckpt, map_location=device)[0]
+    if args.text is not None:
+        ids = tokenizer.encode(args.text)
+        if len(ids) > cfg.max_seq_len:
+            print(
+                f"note: --text is {len(ids)} tokens; only the first {cfg.max_seq_len} (the "
+                "model's max_seq_len) are inspected",
+                file=sys.stderr,
+            )
+            ids = ids[: cfg.max_seq_len]
+        if not ids:
+            raise ValueError("--text encodes to no tokens: give some text")
+        tokens = torch.tensor([ids])
+    else:
+        data = args.data
+        if data is None and (ckpt / "trainer.json").exists():
+            data = read_json_file(ckpt / "trainer.json").get("train_config", {}).get("data")
+        val = load_splits(data, tokenizer)[1]
+        tokens = eval_batches(val, args.rows, cfg.max_seq_len, 1)[0][0]
+    report = analyse(model, tokens, baseline=baseline)
+    out = Path(args.out) if args.out else ckpt.parent / "inspect"
+    out.mkdir(parents=True, exist_ok=True)
+    pictures = plot(report, out, tokens.shape[1])
+
+    def tokenizer_text(i: int) -> str:
+        if isinstance(tokenizer, ByteTokenizer):  # one byte of a character may not decode alone
+            return "" if i == tokenizer.eot_id else bytes([i]).decode("latin-1")
+        return tokenizer.decode([i])
+
+    is_byte = isinstance(tokenizer, ByteTokenizer)
+    classes = class_table(report, None if is_byte else tokenizer_text)
+    extreme = None if is_byte else extremes(report)
+    text = report_md(report, classes, extreme, lambda i: repr(tokenizer_text(i)))
+    atomic_write_text(out / "report.md", text)
+    images = {p.stem: p for p in pictures}
+    atomic_write_text(out / "index.html", html_page(report, tokenizer_text, images, text))
+    c = report.correlations
+    print(
+        f"{out}: index.html, report.md, routing.png, depth_hist.png, skip_runs.png, entropy.png "
+        f"({len(report.tokens)} tokens; rho depth~entropy {c['depth_vs_entropy']['rho']:+.3f}, "
+        f"depth~loss {c['depth_vs_loss']['rho']:+.3f}"
+        + (
+            f", depth~baseline loss {c['depth_vs_baseline_loss']['rho']:+.3f}"
+            if "depth_vs_baseline_loss" in c
+            else ""
+        )
+        + ")"
+    )
+    return 0

@@ -1,0 +1,114 @@
+"""`mod flops` and `mod presets`: what a model costs, per layer and beside its dense twin, and
+the presets to start from."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from ..config import PRESETS, MoDConfig
+from ..fileio import json_text
+from ..flops import estimate_flops, format_report
+from ..model import MoDTransformer
+from ..runtime.checkpoint import load_config
+from .flags import DEFAULT_PRESET, add_dataclass_flags, given
+
+
+def add_flops(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="FLOPs per layer and KV-cache bytes, beside the dense twin",
+        description="Analytic FLOPs of a model (training, top-k forward, decode) per layer, "
+        "counted the way torch's FlopCounterMode counts them, beside its dense twin.",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help=f"model preset (default: {DEFAULT_PRESET})",
+    )
+    p.add_argument("--checkpoint", default=None, help="take the model config from a checkpoint")
+    p.add_argument("--seq-len", type=int, default=None, help="(default: the model's max_seq_len)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--take-rate",
+        type=float,
+        default=None,
+        help="share of generated tokens taking each routed layer (default: capacity)",
+    )
+    p.add_argument(
+        "--decode-context",
+        type=int,
+        default=None,
+        help="context length for the decode estimate (default: --seq-len)",
+    )
+    p.add_argument(
+        "--expert-share",
+        type=float,
+        default=None,
+        help="expert layers: share of token slots that run a real expert (default: the bound, "
+        "1 or the capacity factor's)",
+    )
+    p.add_argument("--json", action="store_true")
+    add_dataclass_flags(
+        p.add_argument_group("model (MoDConfig fields)"),
+        MoDConfig,
+        skip={"max_seq_len"},
+        preset=True,
+    )
+
+
+def add_presets(sub: Any, name: str) -> None:
+    p = sub.add_parser(name, help="list the model presets")
+    p.add_argument("--json", action="store_true")
+
+
+def run_flops(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        cfg = load_config(args.checkpoint)
+    else:
+        cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **given(args, MoDConfig))
+    report = estimate_flops(
+        cfg,
+        cfg.max_seq_len if args.seq_len is None else args.seq_len,
+        args.batch_size,
+        take_rate=args.take_rate,
+        decode_context=args.decode_context,
+        expert_share=args.expert_share,
+    )
+    print(json_text(report.to_dict()) if args.json else format_report(report))
+    return 0
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    rows = {}
+    for name in sorted(PRESETS):
+        cfg = MoDConfig.preset(name)
+        with torch.device("meta"):
+            n = MoDTransformer(cfg).num_params()
+        rows[name] = {**PRESETS[name], "params": n}
+    if args.json:
+        print(json_text(rows))
+    else:
+        for name, row in rows.items():
+            cfg = MoDConfig.preset(name)
+            experts = ""
+            if cfg.has_experts:
+                experts = (
+                    f" experts={cfg.n_experts}+{cfg.n_noop_experts} no-op "
+                    f"top-{cfg.experts_per_token} d_ff_expert={cfg.d_ff_expert}"
+                    + (
+                        ""
+                        if cfg.expert_capacity_factor is None
+                        else f" expert_capacity_factor={cfg.expert_capacity_factor}"
+                    )
+                )
+            print(
+                f"{name:21s} {row['params'] / 1e6:6.2f}M params  d_model={cfg.d_model} "
+                f"n_layers={cfg.n_layers} n_heads={cfg.n_heads}/{cfg.n_kv_heads} "
+                f"max_seq_len={cfg.max_seq_len} layers={cfg.layer_kinds} capacity={cfg.capacity}"
+                + experts
+            )
+    return 0

@@ -1,0 +1,106 @@
+"""`mod train` and `mod tune-routers`: a run, new, resumed, or from a checkpoint's weights."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import PRESETS, MoDConfig
+from ..fileio import json_text
+from ..runtime.distributed import env_from_torchrun, restarted
+from ..train import (
+    TRAIN_CHOICES,
+    TrainConfig,
+    format_summary,
+    has_checkpoint,
+    resume_config,
+    train,
+)
+from .flags import DEFAULT_PRESET, add_dataclass_flags, given
+
+
+def add_train(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="train a model (default: a small MoD model on the Python standard library)",
+        description="Train a MoD (or dense) language model. Model flags override the preset; "
+        "with --resume the model comes from the checkpoint in --out.",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help=f"model preset (default: {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint, exactly",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="start over even if --out already holds a run"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    model_group = p.add_argument_group("model (MoDConfig fields)")
+    add_dataclass_flags(model_group, MoDConfig, skip={"vocab_size"}, preset=True)
+    train_group = p.add_argument_group("training")
+    add_dataclass_flags(train_group, TrainConfig, skip=set(), choices=TRAIN_CHOICES)
+
+
+def add_tune_routers(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="train only the routers (and predictors) of a checkpoint, the rest frozen",
+        description="A new run from CHECKPOINT's weights (e.g. a dense model converted by `mod "
+        "convert`) that trains only its routers and predictors, by the LM loss (through the "
+        "straight-through gate) and the causal-router loss; --distill W adds W x KL(frozen dense "
+        "model || MoD model); the capacity goes from 1.0 down to the model's over the first 10% "
+        "of the steps (--capacity-warmup-ratio) or N steps (--capacity-warmup N). The same as "
+        "`mod train --init-from CHECKPOINT --tune routers`.",
+    )
+    p.add_argument("checkpoint", help="checkpoint to start from")
+    p.add_argument("--resume", action="store_true", help="continue this run in --out")
+    p.add_argument("--overwrite", action="store_true", help="start over in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.set_defaults(preset=None)
+    add_dataclass_flags(p, TrainConfig, skip={"init_from"}, choices=TRAIN_CHOICES)
+
+
+def run(args: argparse.Namespace) -> int:
+    model_over = given(args, MoDConfig)
+    train_over = given(args, TrainConfig)
+    if restarted():
+        # torchrun restarted the job after a worker died: go on from the last complete
+        # checkpoint, or start over the folder the dead attempt began (nothing was saved yet).
+        out = Path(train_over.get("out", TrainConfig.out))
+        args.resume, args.overwrite = has_checkpoint(out), not has_checkpoint(out)
+        print(
+            f"note: restarted by torchrun; {'resuming' if args.resume else 'starting over'}",
+            file=sys.stderr,
+        )
+    if getattr(args, "command", "") == "tune-routers":
+        train_over = {"tune": "routers", "out": "runs/tuned", **train_over}
+        train_over["init_from"] = args.checkpoint
+    if (args.resume or train_over.get("init_from")) and (model_over or args.preset):
+        print(
+            "note: the model comes from the checkpoint; model flags are ignored",
+            file=sys.stderr,
+        )
+    if args.resume:
+        tc = resume_config(train_over.get("out", TrainConfig.out), train_over)
+        summary = train(None, tc, resume=True, progress=not args.no_progress)
+    elif train_over.get("init_from"):
+        tc = TrainConfig(**train_over)
+        summary = train(None, tc, overwrite=args.overwrite, progress=not args.no_progress)
+    else:
+        cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
+        tc = TrainConfig(**train_over)
+        summary = train(cfg, tc, overwrite=args.overwrite, progress=not args.no_progress)
+
+    if env_from_torchrun().is_main:  # under torchrun, rank 0 reports for the job
+        print(json_text(summary) if args.json else format_summary(summary))
+    return 0
