@@ -189,48 +189,8 @@ def estimate_flops(
     takes = _take_rates(cfg, take_rate)
     given = _expert_shares(cfg, expert_share)
     context = seq_len if decode_context is None else decode_context
-    layers: list[LayerFlops] = []
-    shares: list[float | None] = []
-    for i, kind in enumerate(cfg.layer_kinds):
-        block = BLOCKS[kind]
-        share = None
-        if cfg.has_experts:  # the tokens of the whole batch that reach the expert layer
-            mlp_tokens = cfg.capacity_tokens(T) if LAYER_KINDS[kind].routed else T
-            share = expert_share_bound(cfg, B * mlp_tokens) if given is None else given[i]
-        shares.append(share)
-        es = 1.0 if share is None else share
-        # top-k, full attention products (FlopCounterMode's count)
-        full = block.cost(cfg, T, expert_share=es)
-        n = full.attn_tokens
-        # the pairs a causal mask keeps: n(n+1)/2 among n tokens; about half of each query's
-        # keys when the keys are all T tokens ("residual"), the chosen queries spread evenly
-        keys = full.kv_entries / n if n else 0.0
-        causal = block.cost(cfg, T, keys=(keys + 1) / 2, expert_share=es)
-        layers.append(
-            LayerFlops(
-                layer=i,
-                kind=kind,
-                tokens=int(n),
-                matmul=B * full.matmul,
-                attention=B * full.attention,
-                attention_causal=B * causal.attention,
-                router=B * full.router,
-                predictor=B * full.predictor,
-                expert_share=share,
-            )
-        )
-    # Decoding: a new token takes each routed layer with probability p (its take-rate) and
-    # attends over the keys the layer caches, the same share p of the context.
-    it, routed = iter(takes), set(cfg.routed_layers)
-    p_layer = [next(it) if i in routed else 1.0 for i in range(cfg.n_layers)]
-    # The share of the context each layer caches: all of it where every token stores a key
-    # (dense layers; routed ones with skipped_kv="residual"), else the tokens that took it.
-    full_kv = set(cfg.full_kv_layers)
-    cached = [1.0 if i in full_kv else p for i, p in enumerate(p_layer)]
-    # Decoding never drops: given shares that include capacity drops would undercount it.
-    decode_share = given if cfg.expert_capacity_factor is None else None
-    takes_pp = [(p, p) for p in p_layer]
-    decode, _ = decode_cost(cfg, takes_pp, cached, context, expert_share=decode_share)
+    layers = [_layer_flops(cfg, i, B, T, given) for i in range(cfg.n_layers)]
+    decode, cached = _decode_estimate(cfg, takes, context, given)
     lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
     report = FlopReport(
         config=cfg,
@@ -254,6 +214,57 @@ def estimate_flops(
             with_dense=False,
         )
     return report
+
+
+def _layer_flops(
+    cfg: MoDConfig, i: int, B: int, T: int, given: list[float] | None
+) -> LayerFlops:
+    """Layer `i`'s FLOPs on B sequences of T tokens, top-k (FlopCounterMode's count) and with
+    the attention pairs a causal mask keeps."""
+    kind = cfg.layer_kinds[i]
+    block = BLOCKS[kind]
+    share = None
+    if cfg.has_experts:  # the tokens of the whole batch that reach the expert layer
+        mlp_tokens = cfg.capacity_tokens(T) if LAYER_KINDS[kind].routed else T
+        share = expert_share_bound(cfg, B * mlp_tokens) if given is None else given[i]
+    es = 1.0 if share is None else share
+    # top-k, full attention products (FlopCounterMode's count)
+    full = block.cost(cfg, T, expert_share=es)
+    n = full.attn_tokens
+    # the pairs a causal mask keeps: n(n+1)/2 among n tokens; about half of each query's
+    # keys when the keys are all T tokens ("residual"), the chosen queries spread evenly
+    keys = full.kv_entries / n if n else 0.0
+    causal = block.cost(cfg, T, keys=(keys + 1) / 2, expert_share=es)
+    return LayerFlops(
+        layer=i,
+        kind=kind,
+        tokens=int(n),
+        matmul=B * full.matmul,
+        attention=B * full.attention,
+        attention_causal=B * causal.attention,
+        router=B * full.router,
+        predictor=B * full.predictor,
+        expert_share=share,
+    )
+
+
+def _decode_estimate(
+    cfg: MoDConfig, takes: list[float], context: int, given: list[float] | None
+) -> tuple[float, list[float]]:
+    """FLOPs per decoded token at `context`, and the share of the context each layer caches.
+
+    A new token takes each routed layer with probability p (its take-rate) and attends over the
+    keys the layer caches: all of the context where every token stores a key (dense layers;
+    routed ones with skipped_kv="residual"), else the same share p of it."""
+    it, routed = iter(takes), set(cfg.routed_layers)
+    p_layer = [next(it) if i in routed else 1.0 for i in range(cfg.n_layers)]
+    full_kv = set(cfg.full_kv_layers)
+    cached = [1.0 if i in full_kv else p for i, p in enumerate(p_layer)]
+    # Decoding never drops: given shares that include capacity drops would undercount it.
+    decode_share = given if cfg.expert_capacity_factor is None else None
+    takes_pp = [(p, p) for p in p_layer]
+    decode, _ = decode_cost(cfg, takes_pp, cached, context, expert_share=decode_share)
+    return decode, cached
 
 
 def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[float, float]]:

@@ -1,0 +1,189 @@
+"""The numbers of `mod inspect` as markdown (report.md), and the one self-contained page
+(index.html) that shows the text coloured by the routed blocks each token took."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+from typing import Any
+
+from .analysis import Report, loss_by, loss_by_run
+from .stats import mean_interval
+
+
+def report_md(
+    report: Report, classes: dict | None, extreme: dict | None, decode: Any = None
+) -> str:
+    """The numbers, as markdown."""
+    lines = [
+        "# Where the compute went",
+        "",
+        f"{len(report.tokens)} held-out tokens, {len(report.router_names)} routers.",
+        "",
+        *_routing_tables(report),
+        *_loss_tables(report),
+        "",
+        *_correlations(report),
+    ]
+    if classes:
+        lines += _class_table(report, classes)
+    if extreme:
+        for side in ("most", "least"):
+            lines += [
+                "",
+                f"{side} routed tokens (id, mean blocks taken, count): "
+                + ", ".join(
+                    f"{decode(i) if decode else repr(i)} {m:.2f} ({n})" for i, m, n in extreme[side]
+                ),
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def _routing_tables(report: Report) -> list[str]:
+    """Take-rates and agreement per router; blocks taken against independent coins."""
+    lines = [
+        "| router | take-rate (causal) | causal agrees with top-k |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {nm} | {report.take_rate[nm]:.3f} | {report.agreement[nm]:.3f} |"
+        for nm in report.router_names
+    ]
+    lines += ["", "| blocks taken | tokens | independent coins |", "|---|---|---|"]
+    lines += [
+        f"| {k} | {int(report.depth_hist[k])} | {float(report.independent_hist[k]):.1f} |"
+        for k in range(len(report.depth_hist))
+    ]
+    ind = report.independence
+    if ind:
+        lines += [
+            "",
+            f"Against independent coins at the same per-router rates: variance of blocks taken "
+            f"{ind['variance_ratio']:.2f}x the independent one (1: independent; above 1: routers "
+            f"pick the same tokens; below: they share them out); total variation distance "
+            f"{ind['total_variation']:.3f}; permutation test p = {ind['p_value']:.4f} "
+            f"({ind['permutations']} shuffles of each router's decisions).",
+        ]
+    return lines
+
+
+def _loss_tables(report: Report) -> list[str]:
+    """Loss by longest skip run and by blocks taken (with a baseline: its loss and the excess)."""
+    lines: list[str] = []
+    excess = report.baseline_loss is not None
+    for title, table in (
+        ("longest skip run", loss_by_run(report)),
+        ("blocks taken", loss_by(report, report.depth)),
+    ):
+        head = f"| {title} | tokens | mean loss |"
+        if excess:
+            head += " baseline's loss | excess (95% interval) |"
+        lines += ["", head, "|---|---|---|" + ("---|---|" if excess else "")]
+        for k, v in table.items():
+            row = f"| {k} | {v['tokens']} | {v['mean_loss']:.4f} |"
+            if excess:
+                row += (
+                    f" {v['mean_baseline_loss']:.4f} | {v['mean_excess']:+.4f} "
+                    f"(±{v['excess_half_width']:.4f}) |"
+                )
+            lines.append(row)
+    if excess:
+        ok = ~report.loss.isnan()
+        mean, half = mean_interval(report.excess[ok], report.row[ok])
+        lines += [
+            "",
+            f"All tokens: excess loss over the baseline {mean:+.4f} (±{half:.4f}). Intervals "
+            "are 95%, clustered by row (tokens of one row are not independent).",
+        ]
+    return lines
+
+
+def _correlations(report: Report) -> list[str]:
+    lines = []
+    for key in ("depth_vs_entropy", "depth_vs_loss", "depth_vs_baseline_loss"):
+        if key not in report.correlations:
+            continue
+        v = report.correlations[key]
+        interval = f"95% bootstrap interval over rows {v['low']:+.4f} to {v['high']:+.4f}"
+        name = key.replace("_", " ")
+        lines.append(f"- {name}: Spearman rho {v['rho']:+.4f} ({interval}, n = {v['n']})")
+    return lines
+
+
+def _class_table(report: Report, classes: dict) -> list[str]:
+    lines = [
+        "",
+        "| class | tokens | " + " | ".join(f"L{n}" for n in report.router_names) + " |",
+        "|---|---|" + "---|" * len(report.router_names),
+    ]
+    for name, row in classes.items():
+        lines.append(
+            f"| {name} | {row['tokens']} | "
+            + " | ".join(f"{row[n]:.3f}" for n in report.router_names)
+            + " |"
+        )
+    return lines
+
+
+# -- the page --------------------------------------------------------------------------------------
+_DEPTH_COLORS = ("#ffffff", "#e5f5e0", "#a1d99b", "#41ab5d", "#006d2c", "#00441b")
+
+
+def _depth_color(depth: int, routers: int) -> str:
+    top = len(_DEPTH_COLORS) - 1
+    return _DEPTH_COLORS[min(top, round(depth * top / max(routers, 1)))]
+
+
+def html_page(
+    report: Report, decode: Any, images: dict[str, Path], numbers: str, show: int = 4096
+) -> str:
+    """One self-contained page (no network): the text coloured by routed blocks taken (causal),
+    each token's per-router decisions and weights on hover (the first `show` tokens: the
+    numbers cover them all), the pictures inlined, the numbers."""
+
+    R = len(report.router_names)
+    spans = []
+    shown_tokens = report.tokens.tolist()[:show]
+    for i, tok in enumerate(shown_tokens):
+        depth = int(report.taken[i].sum())
+        color = _depth_color(depth, R)
+        hover = []
+        for j, nm in enumerate(report.router_names):
+            act = "take" if report.taken[i, j] else "skip"
+            topk = ", top-k takes" if report.taken_topk[i, j] else ""
+            hover.append(f"L{nm}: {act} (r = {float(report.weights[i, j]):+.2f}{topk})")
+        hover.append(f"entropy {float(report.entropy[i]):.2f}, loss {float(report.loss[i]):.2f}")
+        text = decode(tok)
+        shown = html.escape(text).replace("\n", "&#8629;<br>").replace(" ", "&nbsp;")
+        spans.append(
+            f'<span class="tok" data-depth="{depth}" style="background:{color}" '
+            f'title="{html.escape(chr(10).join(hover))}">{shown or "&#9633;"}</span>'
+        )
+    pictures = "".join(
+        f'<figure><img alt="{name}" src="data:image/png;base64,'
+        f'{base64.b64encode(path.read_bytes()).decode()}"><figcaption>{name}</figcaption></figure>'
+        for name, path in images.items()
+    )
+    legend = "".join(
+        f'<span class="key" style="background:{_depth_color(d, R)}">{d}</span>'
+        for d in range(R + 1)
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>mod inspect</title><style>"
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+        ".text{font-family:monospace;line-height:1.7;border:1px solid #ccc;padding:1em}"
+        ".tok{border-radius:2px}.key{display:inline-block;width:2em;text-align:center;"
+        "border:1px solid #999;margin-right:2px}img{max-width:100%}"
+        "</style></head><body><h1>Where the compute went</h1>"
+        f"<p>Routed blocks each token took (causal routing), 0 to {R}: {legend}. "
+        "Hover a token for each router's decision and weight."
+        + (
+            f" The first {len(shown_tokens)} of {len(report.tokens)} tokens."
+            if len(shown_tokens) < len(report.tokens)
+            else ""
+        )
+        + "</p>"
+        f'<div class="text">{"".join(spans)}</div>{pictures}'
+        f"<pre>{html.escape(numbers)}</pre></body></html>\n"
+    )
