@@ -33,8 +33,8 @@ from mixture_of_depths.runtime.runlock import (
     LOCK_NAME,
     RunLock,
     RunLockedError,
-    _boot_id,
-    _start_time,
+    boot_id,
+    start_time,
 )
 from mixture_of_depths.train import TrainConfig, TrainingDiverged, train
 
@@ -247,7 +247,7 @@ def test_a_second_run_on_a_folder_is_refused_and_a_killed_owner_does_not_block(s
 def test_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = {"host": socket.gethostname(), "pid": sleeper.pid, "start": _start_time(sleeper.pid)}
+        live = {"host": socket.gethostname(), "pid": sleeper.pid, "start": start_time(sleeper.pid)}
         (tmp_path / LOCK_NAME).write_text(json.dumps(live))
         with pytest.raises(RunLockedError, match=f"process {sleeper.pid} on host"):
             RunLock(tmp_path).acquire()
@@ -265,7 +265,7 @@ def test_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
         RunLock(tmp_path).acquire()
     (tmp_path / LOCK_NAME).write_text('{"host": ')  # cut short by a kill while written: stale
     RunLock(tmp_path).acquire().release()
-    boot = _boot_id()
+    boot = boot_id()
     if boot is not None:  # Linux: a container restarted under a new hostname, same machine
         dead = {"host": "old-container", "boot": boot, "pid": sleeper.pid, "start": live["start"]}
         (tmp_path / LOCK_NAME).write_text(json.dumps(dead))

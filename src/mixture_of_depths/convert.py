@@ -26,6 +26,7 @@ from safetensors import safe_open
 from .config import MoDConfig
 from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
 from .model import MoDTransformer
+from .runtime.checkpoint import save_checkpoint
 
 SUPPORTED = ("llama", "mistral")
 
@@ -267,8 +268,6 @@ def convert_folder(
 ) -> tuple[Path, MoDConfig]:
     """A Llama-family folder (config.json, safetensors weights, tokenizer.json) converted to our
     checkpoint at `out` (which must not hold one)."""
-    from .runtime.checkpoint import save_checkpoint
-
     d, out = Path(directory), Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: pick another")

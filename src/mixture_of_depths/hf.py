@@ -52,9 +52,10 @@ from pathlib import Path
 
 from .cache import KVCache
 from .config import MoDConfig
-from .convert import bytes_to_unicode, read_tokenizer
-from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
+from .convert import bytes_to_unicode, llama_config, read_tokenizer, to_llama
+from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from .model import IGNORE_INDEX, MoDTransformer
+from .runtime.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 
 MODEL_TYPE = "mixture_of_depths"
 PREFILL_ROUTINGS = ("causal", "topk")
@@ -366,9 +367,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Our checkpoint as a transformers folder: config.json, model.safetensors,
     generation_config.json and the tokenizer (`AutoModelForCausalLM` and `AutoTokenizer` load it
     once `mixture_of_depths.hf` is imported)."""
-    from .data import load_tokenizer
-    from .runtime.checkpoint import load_model, resolve_checkpoint
-
     ckpt = resolve_checkpoint(checkpoint)
     model, _ = load_model(ckpt)
     tokenizer = load_tokenizer(ckpt)
@@ -388,10 +386,6 @@ def export_llama(checkpoint: str | Path, out: str | Path) -> Path:
     """A dense checkpoint of ours as a transformers Llama folder (`LlamaForCausalLM` loads it,
     no import of ours needed), with its tokenizer."""
     from safetensors.torch import save_file
-
-    from .convert import llama_config, to_llama
-    from .data import load_tokenizer
-    from .runtime.checkpoint import load_model, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     model, cfg = load_model(ckpt)
@@ -414,8 +408,6 @@ def export_llama(checkpoint: str | Path, out: str | Path) -> Path:
 
 def import_pretrained(directory: str | Path, out: str | Path) -> Path:
     """A transformers folder of a MoD model (`export_checkpoint`'s) as our checkpoint."""
-    from .runtime.checkpoint import save_checkpoint
-
     config = AutoConfig.from_pretrained(directory)
     if not isinstance(config, MoDHFConfig):
         raise ValueError(

@@ -36,7 +36,7 @@ class RunLockedError(RuntimeError):
         self.held = held
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """When process `pid` started (Linux: clock ticks since boot), to tell a reused PID apart."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -45,7 +45,7 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name in (...) may hold spaces
 
 
-def _boot_id() -> str | None:
+def boot_id() -> str | None:
     """This kernel's boot id (Linux): the same in every container on one machine, new after a
     reboot, so it tells "this machine, this boot" better than the hostname does."""
     try:
@@ -61,7 +61,7 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:  # it exists, owned by someone else
         pass
-    now = _start_time(pid)
+    now = start_time(pid)
     return start is None or now is None or now == start
 
 
@@ -69,8 +69,8 @@ def _owner() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "start": _start_time(os.getpid()),
-        "boot": _boot_id(),
+        "start": start_time(os.getpid()),
+        "boot": boot_id(),
         "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
 
@@ -165,7 +165,7 @@ class RunLock:
         """Whether the lock `info` describes is left over (called once our flock succeeded, so
         no live process on this kernel holds the file's flock). The PID check stays for
         filesystems without flock and for lock files written by hand."""
-        boot, here = info.get("boot"), _boot_id()
+        boot, here = info.get("boot"), boot_id()
         same_boot = boot is not None and boot == here
         if not same_boot and info.get("host") != socket.gethostname():
             return False  # another machine over a shared filesystem: cannot check from here
@@ -179,7 +179,7 @@ class RunLock:
     @staticmethod
     def _same_machine(info: dict[str, Any]) -> bool:
         boot = info.get("boot")
-        return (boot is not None and boot == _boot_id()) or info.get("host") == socket.gethostname()
+        return (boot is not None and boot == boot_id()) or info.get("host") == socket.gethostname()
 
     def _refusal(self, info: dict[str, Any], held: bool) -> str:
         owner = _describe(info) if info else "another process"
