@@ -1,0 +1,37 @@
+"""Every `mod` help text equals its snapshot in tests/cli/help/ (taken before the layout of
+docs/layout.md was built, with ``COLUMNS=100``): moving code must not change a command's
+interface. A deliberate change of a flag updates the snapshots with
+``MOD_UPDATE_HELP=1 pytest tests/cli/test_help.py`` (then review the diff)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixture_of_depths.cli import COMMANDS, main
+
+SNAPSHOTS = Path(__file__).parent / "help"
+
+
+@pytest.mark.skipif(
+    sys.version_info[:2] != (3, 11), reason="argparse lays help out differently across Pythons"
+)
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_text_is_unchanged(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help"] if command else ["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    path = SNAPSHOTS / f"{command or 'mod'}.txt"
+    if os.environ.get("MOD_UPDATE_HELP") == "1":
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+def test_every_command_has_a_snapshot():
+    names = {p.stem for p in SNAPSHOTS.glob("*.txt")}
+    assert names == {"mod", *COMMANDS}
