@@ -1,10 +1,14 @@
-"""Shared test settings."""
+"""Shared test settings and fixtures."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_corpus
+from helpers import TINY, tc, write_corpus
+
+from mixture_of_depths import MoDConfig
+from mixture_of_depths.train import train
 
 # The test models are tiny: intra-op threads only add overhead, and on a loaded machine OpenMP
 # threads contending for the same cores make a 69x32 matmul take milliseconds, not microseconds.
@@ -16,3 +20,15 @@ def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A tiny corpus folder; the token cache goes under tmp_path too."""
     monkeypatch.setenv("MOD_CACHE_DIR", str(tmp_path / "cache"))
     return write_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """A corpus and a run of 3 steps on it, shared by a test module (copy it to damage it)."""
+    root = tmp_path_factory.mktemp("damaged")
+    corpus = write_corpus(root / "corpus")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOD_CACHE_DIR", str(root / "cache"))
+        out = root / "run"
+        train(MoDConfig(**TINY), tc(corpus, out, steps=3), progress=False)
+        yield corpus, out
