@@ -5,7 +5,7 @@
 (greedy, sampling, ``max_new_tokens``, ``eos_token_id``, left-padded batches with an attention
 mask) with our KV cache, whose routed layers hold only the tokens that took them.
 
-How generation fits transformers (docs: README, "Hugging Face"):
+How generation fits transformers (docs/huggingface.md):
 
 - The cache is `MoDCache`, a transformers `Cache` around our `KVCache`. transformers asks a cache
   how many positions it has seen (``get_seq_length``) to slice the next inputs; a routed layer

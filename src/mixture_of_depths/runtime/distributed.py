@@ -1,7 +1,7 @@
 """Training on several processes with PyTorch's own engine: `torchrun` starts them, this module
 reads what torchrun set and joins the process group.
 
-Launch (docs: README, "Distributed training"): ``torchrun --nproc_per_node N -m
+Launch (docs/distributed.md): ``torchrun --nproc_per_node N -m
 mixture_of_depths train ...``. `mod train` sees torchrun's environment (``WORLD_SIZE`` > 1) and
 trains data-parallel with DDP: every rank holds the whole model, reads the same global batch
 (``--batch-size`` stays the global batch, so hyperparameters do not change with the number of
