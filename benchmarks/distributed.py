@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from mixture_of_depths import MoDConfig, MoDTransformer
+from mixture_of_depths.flops import estimate_flops
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -104,9 +107,6 @@ def comm_bytes(params: int, n: int, parallel: str, bytes_per_element: int = 4) -
 
 
 def nccl_estimate(args: argparse.Namespace) -> dict:
-    from mixture_of_depths import MoDConfig, MoDTransformer
-    from mixture_of_depths.flops import estimate_flops
-
     T = args.nccl_seq_len
     if args.tokens_per_gpu % T:
         raise SystemExit(f"--tokens-per-gpu {args.tokens_per_gpu} must be a multiple of {T}")
@@ -160,8 +160,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.nccl:
         return nccl_estimate(args)
-    from mixture_of_depths import MoDConfig, MoDTransformer
-
     with torch.device("meta"):
         params = MoDTransformer(MoDConfig.preset(args.preset)).num_params()
     rows = []

@@ -18,18 +18,17 @@ import subprocess
 import sys
 import time
 
+import torch
+
+from mixture_of_depths import MoDConfig, MoDTransformer
+from mixture_of_depths.runtime.malloc import ENV, keep_freed_memory, user_malloc_settings
+
 ARMS = ("default", "kept")
 
 
 def child(args: argparse.Namespace) -> dict:
     """One arm in this process: optionally keep freed memory, then time `steps` training steps."""
-    from mixture_of_depths.runtime.malloc import keep_freed_memory
-
     applied = keep_freed_memory() if args.child == "kept" else False
-    import torch
-
-    from mixture_of_depths import MoDConfig, MoDTransformer
-
     torch.manual_seed(args.seed)
     cfg = MoDConfig(
         vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers,
@@ -84,8 +83,6 @@ def main(argv: list[str] | None = None) -> dict:
         out = child(args)
         print(json.dumps(out))
         return out
-
-    from mixture_of_depths.runtime.malloc import ENV, user_malloc_settings
 
     # the arms' own settings decide, not the caller's: clear any malloc tuning from the env
     drop = {ENV, *user_malloc_settings(os.environ)}

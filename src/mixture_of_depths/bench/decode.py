@@ -55,14 +55,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mixture_of_depths import MoDConfig, MoDTransformer
-from mixture_of_depths.cache import KVCache
-from mixture_of_depths.fileio import json_text
-from mixture_of_depths.flops import decode_cost, layer_shares
-from mixture_of_depths.generate import decode_step, prefill, router_names, sample_next
-from mixture_of_depths.routing import calibrate_predictors
-
-from ._common import cpu_snapshot, fmt_bytes, others_busy
+from ..cache import KVCache
+from ..config import MoDConfig
+from ..fileio import json_text
+from ..flops import decode_cost, layer_shares
+from ..generate import decode_step, prefill, router_names, sample_next
+from ..model import MoDTransformer
+from ..routing import calibrate_predictors
+from ..runtime.checkpoint import load_model
+from .common import cpu_snapshot, fmt_bytes, others_busy
 
 SPEEDUP_BAR = 1.6  # MoD decode tokens/s must reach this multiple of the dense twin's
 CACHE_BAR = 0.6  # MoD KV cache in use must be at most this fraction of the dense twin's
@@ -70,10 +71,18 @@ MIN_CONTEXT = 512  # the context (prompt + new tokens) the bars are meant for
 
 
 def build_parser() -> argparse.ArgumentParser:
-    cuda = torch.cuda.is_available()
+    """The benchmark's flags, in three helpers that keep ``--help``'s order."""
     p = argparse.ArgumentParser(
         description="Decode tokens/s and KV-cache bytes of an MoD model vs its dense twin.",
     )
+    _add_model_arguments(p)
+    _add_run_arguments(p)
+    _add_routing_arguments(p)
+    return p
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What is decoded: the model, the prompt and decode lengths, the batch sizes."""
     p.add_argument("--preset", default="small", help="MoDConfig preset (default: small)")
     p.add_argument(
         "--checkpoint",
@@ -106,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-sizes", default="1,8", help="comma-separated batch sizes (default: 1,8)"
     )
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """How it is timed: repeats, device, dtype, threads."""
+    cuda = torch.cuda.is_available()
     p.add_argument(
         "--repeats", type=int, default=9, help="timed runs per model and batch size (default: 9)"
     )
@@ -130,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.set_num_threads (default on cpu: 1; decode ops are too small to share, and "
         "a second thread spin-waiting on a busy CPU slows decoding many times over)",
     )
+
+
+def _add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    """The tokens fed back, and the MoD model's routing and its calibration."""
     p.add_argument(
         "--feed",
         choices=("greedy", "random"),
@@ -164,10 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="random prompts of --prompt-len tokens to calibrate on (default: 8)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts (default: 0)")
-    return p
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The flags, checked, with the defaults that depend on the device and the source filled in."""
     p = build_parser()
     args = p.parse_args(argv)
     if args.dtype is None:
@@ -197,9 +215,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def build_models(
     args: argparse.Namespace, context: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[dict[str, MoDTransformer], dict[str, MoDConfig]]:
+    """The MoD model (the checkpoint's, or the preset's with predictors) and its dense twin, in
+    `dtype` and eval mode, with their configs."""
     if args.checkpoint is not None:
-        from mixture_of_depths.runtime.checkpoint import load_model
-
         mod, mod_cfg = load_model(args.checkpoint, map_location=device)
         if context > mod_cfg.max_seq_len:
             raise SystemExit(
@@ -278,6 +296,7 @@ def decode_run(
 
 
 def pct(xs: Sequence[float]) -> str:
+    """Shares as percentages, one per routed layer."""
     return " ".join(f"{100 * x:5.1f}%" for x in xs) if xs else "-"
 
 
@@ -390,6 +409,7 @@ def print_report(
     wall: float,
     busy: float | None,
 ) -> None:
+    """The settings line, the take-rates, the speed and ratio tables and the notes."""
     P, N = args.prompt_len, args.new_tokens
     names_r = args.router_names
     src = f"checkpoint={args.checkpoint}" if args.checkpoint else f"preset={args.preset}"

@@ -1,6 +1,7 @@
 """Peak memory of one training step (forward + backward), measured in a fresh process.
 
-Run as ``python -m mixture_of_depths.bench.memory '<json>'`` by `suite`; prints one JSON line.
+Run as ``python -m mixture_of_depths.bench.memory '<json>'`` by `sections` (the memory section of
+``mod bench``); prints one JSON line.
 
 Two figures per model:
 

@@ -30,7 +30,7 @@ from ..flops import estimate_flops
 from ..layers import MLP, price
 from ..model import MoDTransformer
 from ..precision import autocast_for
-from ._common import _median_ms, _spread, _tokens, interleaved, train_step_fn
+from .common import interleaved, median_ms, spread, token_batch, train_step_fn
 
 EXPERT_EFFICIENCY_BAR = 0.80  # the expert layer's fwd+bwd efficiency at T >= 1024
 EXPERTS = dict(n_experts=4, experts_per_token=1)
@@ -44,6 +44,7 @@ def base_config(args: argparse.Namespace, seq_len: int) -> MoDConfig:
 
 
 def layer_configs(base: MoDConfig) -> dict[str, MoDConfig]:
+    """The dense MLP and the expert layers timed against it, one layer each."""
     n = EXPERTS["n_experts"]
     return {
         "MLP": base,
@@ -54,6 +55,7 @@ def layer_configs(base: MoDConfig) -> dict[str, MoDConfig]:
 
 
 def model_configs(args: argparse.Namespace, seq_len: int) -> dict[str, MoDConfig]:
+    """The dense twin and the MoE / MoDE models trained against it."""
     base = base_config(args, seq_len)
     cap = min(args.capacities)
     return {
@@ -99,6 +101,7 @@ def _share(layer: torch.nn.Module, x: torch.Tensor) -> float:
 def bench_layers(
     args: argparse.Namespace, device: torch.device, sync: Callable, bar: tqdm
 ) -> list[dict[str, Any]]:
+    """Each expert layer (and its loop path where grouped matmul runs) against the dense MLP."""
     rows = []
     for seq_len in args.seq_lens:
         batch = args.tokens // seq_len
@@ -129,9 +132,9 @@ def bench_layers(
                 flops[label], shares[label] = 3 * fwd, share
         bar.set_postfix_str(f"experts layer T={seq_len}")
         times = interleaved(fns, args.warmup, args.repeats, sync, bar)
-        dense_ms = _median_ms(times["MLP"])
+        dense_ms = median_ms(times["MLP"])
         for label in fns:
-            ms = _median_ms(times[label])
+            ms = median_ms(times[label])
             predicted = flops["MLP"] / flops[label]
             rows.append(
                 {
@@ -144,7 +147,7 @@ def bench_layers(
                     "speedup": dense_ms / ms,
                     "speedup_flop_predicted": predicted,
                     "efficiency": dense_ms / ms / predicted,
-                    "range_rel": _spread(times[label]),
+                    "range_rel": spread(times[label]),
                 }
             )
     return rows
@@ -156,10 +159,11 @@ def bench_models(
     sync: Callable,
     bar: tqdm,
 ) -> list[dict[str, Any]]:
+    """A training step of each of `model_configs` against the dense twin, at each length."""
     rows = []
     for seq_len in args.seq_lens:
         batch = args.tokens // seq_len
-        idx, targets = _tokens(args, batch, seq_len, device)
+        idx, targets = token_batch(args, batch, seq_len, device)
         fns, flops, shares = {}, {}, {}
         for name, cfg in model_configs(args, seq_len).items():
             torch.manual_seed(args.seed)
@@ -173,9 +177,9 @@ def bench_models(
             flops[name], shares[name] = rep.train_causal, share
         bar.set_postfix_str(f"experts models T={seq_len}")
         times = interleaved(fns, args.warmup, args.repeats, sync, bar)
-        dense_ms = _median_ms(times["dense"])
+        dense_ms = median_ms(times["dense"])
         for name in fns:
-            ms = _median_ms(times[name])
+            ms = median_ms(times[name])
             predicted = flops["dense"] / flops[name]
             sh = shares[name]
             rows.append(
@@ -189,7 +193,7 @@ def bench_models(
                     "speedup": dense_ms / ms,
                     "speedup_flop_predicted": predicted,
                     "efficiency": dense_ms / ms / predicted,
-                    "range_rel": _spread(times[name]),
+                    "range_rel": spread(times[name]),
                 }
             )
     return rows

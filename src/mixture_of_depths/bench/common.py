@@ -82,17 +82,22 @@ def interleaved(
     return times
 
 
-def _median_ms(ts: list[float]) -> float:
+def median_ms(ts: list[float]) -> float:
+    """The median of `interleaved`'s seconds per call, in milliseconds."""
     return 1e3 * statistics.median(ts)
 
 
-def _spread(ts: list[float]) -> float:
+def spread(ts: list[float]) -> float:
+    """(max - min) / median of the times: how far one run's rounds disagree."""
     return (max(ts) - min(ts)) / statistics.median(ts)
 
 
 def train_step_fn(
     model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, dtype: str
 ) -> Callable[[], None]:
+    """One timed training step: forward and backward under `dtype` autocast, gradients dropped
+    (the optimizer step costs the same for every model, so it is left out)."""
+
     def step() -> None:
         with autocast_for(idx.device, dtype):
             loss = model(idx, targets).loss
@@ -103,7 +108,9 @@ def train_step_fn(
     return step
 
 
-def _tokens(args: argparse.Namespace, batch: int, seq_len: int, device: torch.device) -> Any:
+def token_batch(
+    args: argparse.Namespace, batch: int, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The seeded batch every model of a comparison trains on: (inputs, targets)."""
     gen = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, 257, (batch, seq_len + 1), generator=gen).to(device)
