@@ -216,9 +216,7 @@ def estimate_flops(
     return report
 
 
-def _layer_flops(
-    cfg: MoDConfig, i: int, B: int, T: int, given: list[float] | None
-) -> LayerFlops:
+def _layer_flops(cfg: MoDConfig, i: int, B: int, T: int, given: list[float] | None) -> LayerFlops:
     """Layer `i`'s FLOPs on B sequences of T tokens, top-k (FlopCounterMode's count) and with
     the attention pairs a causal mask keeps."""
     kind = cfg.layer_kinds[i]
