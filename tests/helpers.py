@@ -13,6 +13,9 @@ from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.routing import calibrate_predictors
 from mixture_of_depths.train import TrainConfig
 
+# The `mod` command run in a subprocess that kill -9s itself at a chosen point (crash.py).
+CRASH = Path(__file__).with_name("crash.py")
+
 V = 61  # vocabulary of the test models
 
 

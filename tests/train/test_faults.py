@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, losses, tc, write_corpus
+from helpers import CRASH, TINY, losses, tc, write_corpus
 from safetensors.torch import load_file, save_file
 
 from mixture_of_depths import MoDConfig, MoDTransformer
@@ -37,7 +37,6 @@ from mixture_of_depths.runtime.runlock import (
 )
 from mixture_of_depths.train import TrainingDiverged, train
 
-CRASH = Path(__file__).with_name("crash.py")
 # The subprocess runs: 12 steps, checkpoints at 4, 8 and 12, a log line every step.
 RUN_ARGS = [
     "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "32",

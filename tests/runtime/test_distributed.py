@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_corpus
+from helpers import CRASH, write_corpus
 
 # A global batch of 6 rows splits over 1, 2 and 3 ranks.
 COMMON = [
@@ -95,7 +95,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MOD_CACHE_DIR": str(root / "cache"),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
     }
     return write_corpus(root / "corpus"), env
 
@@ -151,7 +151,7 @@ def test_fsdp_equals_one_process_a_rank_killed_mid_save_keeps_the_last_checkpoin
     optimizer state."""
     from mixture_of_depths.runtime.checkpoint import is_sharded, load_model, load_optimizer_state
 
-    crash = str(Path(__file__).with_name("crash.py"))
+    crash = str(CRASH)
     out = tmp_path / "fsdp"
     args = [*COMMON, "--data", str(corpus), "--out", str(out), "--parallel", "fsdp"]
     proc = run_mod(args, env, nproc=2, ok=False, launch=[crash, "shards@1", "3"])
@@ -243,7 +243,7 @@ def test_killed_rank_restarts_from_its_last_checkpoint_and_ends_as_uninterrupted
     """`kill -9` of rank 0 after the 3rd logged step of a 2-rank DDP job under torchrun
     --max-restarts 1 (tests/crash.py): torchrun restarts both ranks, `mod train` resumes from the
     checkpoint of step 2 by itself, and the job ends with the uninterrupted job's losses."""
-    crash = Path(__file__).with_name("crash.py")
+    crash = CRASH
     args = [*COMMON, "--data", str(corpus)]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     logs = {}
@@ -281,7 +281,7 @@ def test_fsdp_job_restarted_after_a_rank_died_mid_save_ends_as_one_process(
     """Rank 1 of a 2-rank FSDP2 job is killed inside its sharded write of step 4 under torchrun
     --max-restarts 1: the restarted job resumes from step 2's checkpoint by itself, removes the
     cut-short write, and ends with the single process's losses."""
-    crash = str(Path(__file__).with_name("crash.py"))
+    crash = str(CRASH)
     out = tmp_path / "fsdp"
     args = [*COMMON, "--data", str(corpus), "--out", str(out), "--parallel", "fsdp"]
     proc = run_mod(args, env, nproc=2, launch=["--max-restarts=1", crash, "shards@1", "2"])

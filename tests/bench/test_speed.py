@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small_config(**over) -> MoDConfig:
