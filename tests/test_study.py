@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-import mixture_of_depths.study as st
 from mixture_of_depths import MoDConfig
 from mixture_of_depths.flops import estimate_flops
+from mixture_of_depths.studies import convert, isoflop, kv, measure, mode, runner
 
 
 @pytest.fixture()
@@ -21,18 +21,19 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path):
     data.mkdir()
     for i in range(6):
         (data / f"f{i}.py").write_text(f"def f(x):\n    return x * {i}\n" * 200)
+    quick = isoflop.QUICK
     settings = dataclasses.replace(
-        st.QUICK, budgets=(1e9, 3e9), sizes=st.QUICK.sizes[:1], ablation_size=st.QUICK.sizes[0][0]
+        quick, budgets=(1e9, 3e9), sizes=quick.sizes[:1], ablation_size=quick.sizes[0][0]
     )
-    monkeypatch.setattr(st, "QUICK", settings)
-    monkeypatch.setattr(st, "ABLATIONS", st.ABLATIONS[:2])
+    monkeypatch.setattr(isoflop, "QUICK", settings)
+    monkeypatch.setattr(isoflop, "ABLATIONS", isoflop.ABLATIONS[:2])
     return settings, str(data)
 
 
 def test_study_runs_to_budget_resumes_and_reports(tiny, tmp_path, monkeypatch):
     settings, data = tiny
     out, work = tmp_path / "study", tmp_path / "work"
-    real = st.run_one
+    real = runner.run_one
     calls = []
 
     def flaky(spec, *a, **kw):
@@ -41,15 +42,15 @@ def test_study_runs_to_budget_resumes_and_reports(tiny, tmp_path, monkeypatch):
         calls.append(spec.name)
         return real(spec, *a, **kw)
 
-    monkeypatch.setattr(st, "run_one", flaky)
+    monkeypatch.setattr(runner, "run_one", flaky)
     with pytest.raises(KeyboardInterrupt):
-        st.study(out, work, quick=True, data=data, progress=False)
-    assert len(st.load_results(out / "results.jsonl")) == 3
-    monkeypatch.setattr(st, "run_one", real)
-    results = st.study(out, work, quick=True, data=data, progress=False)
+        runner.study(isoflop.ISOFLOP, out, work, quick=True, data=data, progress=False)
+    assert len(runner.load_results(out / "results.jsonl")) == 3
+    monkeypatch.setattr(runner, "run_one", real)
+    results = runner.study(isoflop.ISOFLOP, out, work, quick=True, data=data, progress=False)
 
     names = [r["name"] for r in results]
-    planned = st.plan(settings)
+    planned = isoflop.plan(settings)
     assert len(names) == len(set(names)) == len(planned) + 2 * len(settings.budgets)
     assert {s.name for s in planned} <= set(names)
     for r in results:  # exactly the steps the budget buys, counted by estimate_flops
@@ -73,8 +74,9 @@ def test_study_runs_to_budget_resumes_and_reports(tiny, tmp_path, monkeypatch):
             cfg.aux_loss_weight,
         )
     # Rerunning a finished study trains nothing.
-    monkeypatch.setattr(st, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
-    assert len(st.study(out, work, quick=True, data=data, progress=False)) == len(results)
+    monkeypatch.setattr(runner, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
+    again = runner.study(isoflop.ISOFLOP, out, work, quick=True, data=data, progress=False)
+    assert len(again) == len(results)
 
 
 def test_rows_written_before_the_predictor_default_rebuild_as_they_trained(tmp_path):
@@ -88,8 +90,8 @@ def test_rows_written_before_the_predictor_default_rebuild_as_they_trained(tmp_p
     ]
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = {r.get("name", "log"): r for r in st.load_results(path)}
-    assert got["old"]["model"] == {"layer_pattern": "DR", "d_model": 32, **st.LEGACY_ROUTING}
+    got = {r.get("name", "log"): r for r in runner.load_results(path)}
+    assert got["old"]["model"] == {"layer_pattern": "DR", "d_model": 32, **runner.LEGACY_ROUTING}
     assert MoDConfig(**got["old"]["model"]).aux_loss_weight == 0.1
     assert got["pred"]["model"] == rows[1]["model"] and got["aux"]["model"] == rows[2]["model"]
     assert got["log"] == rows[3]
@@ -116,7 +118,7 @@ def test_findings_from_hand_made_results():
         _row("MoD B", 0, 0.90, 0.99, fpt=3e6, d=64),  # best MoD by causal, not by top-k
         _row("MoD B, random routing", 0, 1.10, 1.188, group="ablation", d=64),
     ]
-    f = st.findings(rows)
+    f = isoflop.findings(rows)
     (b,) = f["budgets"]
     assert b["best_dense"]["label"] == "dense A" and b["best_dense"]["val_loss"] == 1.01
     assert b["best_dense"]["seeds"] == 2
@@ -130,7 +132,7 @@ def test_findings_from_hand_made_results():
     assert f["causal_gap"]["mean"] == pytest.approx(sum(gaps) / 2)
     base, rnd = f["ablations"]
     assert rnd["vs_baseline_causal"] == pytest.approx(0.2)
-    report = "\n".join(st.format_findings(f))
+    report = "\n".join(isoflop.format_findings(f))
     assert "within the seed spread" in report and "0.50x the best dense" in report
 
 
@@ -139,15 +141,13 @@ def test_mode_plan_charges_the_bound_reports_what_ran_and_judges_the_claims(
 ):
     """`mod study --plan mode` on a cut-down plan: each run gets the steps its bound buys, spends
     at most that, reports its experts' shares, and the report judges both claims."""
-    import mixture_of_depths.study_mode as sm
-
     _, data = tiny
-    settings = dataclasses.replace(sm.QUICK, budgets=(1e9,))
-    monkeypatch.setattr(sm, "QUICK", settings)
+    settings = dataclasses.replace(mode.QUICK, budgets=(1e9,))
+    monkeypatch.setattr(mode, "QUICK", settings)
     keep = ("MoE", "MoE, capacity 0.5 (drops)", "integrated MoDE, capacity 0.5")
-    monkeypatch.setattr(sm, "ARCHS", tuple(a for a in sm.ARCHS if a[0] in keep))
+    monkeypatch.setattr(mode, "ARCHS", tuple(a for a in mode.ARCHS if a[0] in keep))
     out, work = tmp_path / "mode", tmp_path / "work"
-    results = st.study(out, work, quick=True, data=data, progress=False, plan=sm.PLAN)
+    results = runner.study(mode.PLAN, out, work, quick=True, data=data, progress=False)
     assert len(results) == 3 + 2  # and second seeds for the two best
     for r in results:
         cfg = MoDConfig(**r["model"])
@@ -173,15 +173,13 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
     own length and batch for the steps its FLOPs buy (residual charged its extra K/V and wider
     attention, so fewer), the seeds go to each strategy's best, and every trained model is
     measured (decode speed, cache bytes, prefill calibration) into the report."""
-    import mixture_of_depths.study_kv as sk
-
     _, data = tiny
-    settings = dataclasses.replace(sk.QUICK, budgets=(1e9,), eval_batches=1)
-    monkeypatch.setattr(sk, "QUICK", settings)
-    monkeypatch.setattr(sk, "ARCHS", sk.ARCHS[:3])  # dense, 12.5% none, 12.5% residual
-    monkeypatch.setattr(sk, "DECODE_ROUNDS", 1)
+    settings = dataclasses.replace(kv.QUICK, budgets=(1e9,), eval_batches=1)
+    monkeypatch.setattr(kv, "QUICK", settings)
+    monkeypatch.setattr(kv, "ARCHS", kv.ARCHS[:3])  # dense, 12.5% none, 12.5% residual
+    monkeypatch.setattr(measure, "DECODE_ROUNDS", 1)
     out, work = tmp_path / "kv", tmp_path / "work"
-    results = st.study(out, work, quick=True, data=data, progress=False, plan=sk.PLAN)
+    results = runner.study(kv.PLAN, out, work, quick=True, data=data, progress=False)
     assert len(results) == 2 * 3 + 2 * 2  # two lengths x three models, then two seeds a length
     for r in results:
         cfg = MoDConfig(**r["model"])
@@ -192,9 +190,9 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
     for T in (32, 64):
         assert by[T, "MoD 12.5%, residual", 0]["steps"] < by[T, "MoD 12.5%, none", 0]["steps"]
         assert {(T, lab, 1) in by for lab in ("MoD 12.5%, none", "MoD 12.5%, residual")} == {True}
-    measures = {m["name"]: m for m in st.load_results(out / "measures.jsonl")}
+    measures = {m["name"]: m for m in runner.load_results(out / "measures.jsonl")}
     assert set(measures) == {r["name"] for r in results}
-    for m in st.load_results(out / "decode.jsonl"):  # one row per model, every cell measured
+    for m in runner.load_results(out / "decode.jsonl"):  # one row per model, every cell measured
         measures[m["name"]].update(m)
     for r in results:
         m = measures[r["name"]]
@@ -222,25 +220,26 @@ def test_convert_plan_trains_each_variant_and_times_it_beside_dense(tiny, tmp_pa
     changes only routers and predictors, the full fine-tune changes the rest; every MoD model is
     timed beside the dense original and the report lists each."""
     pytest.importorskip("transformers", minversion="5")
-    import mixture_of_depths.study_convert as sc
-    import mixture_of_depths.study_kv as sk
     from mixture_of_depths.runtime.checkpoint import load_model
     from mixture_of_depths.train.tune import is_router_param
 
     _, data = tiny
-    monkeypatch.setattr(sc, "QUICK", sc.Settings("tiny-dense", 3, 2, 2, 1))
-    monkeypatch.setattr(sk, "DECODE_ROUNDS", 1)
+    monkeypatch.setattr(convert, "QUICK", convert.Settings("tiny-dense", 3, 2, 2, 1))
+    monkeypatch.setattr(measure, "DECODE_ROUNDS", 1)
     out, work = tmp_path / "convert", tmp_path / "work"
-    results = sc.run(out, work, quick=True, data=data, progress=False)
+    results = convert.run(out, work, quick=True, data=data, progress=False)
     names = {r["name"] for r in results}
-    want = {f"{v}-{sc._tag(c)}" for v in sc.VARIANTS for c in sc.CAPACITIES}
+    want = {f"{v}-{convert._tag(c)}" for v in convert.VARIANTS for c in convert.CAPACITIES}
     assert names == want | {"dense", "dense+ft"}
     dense = load_model(work / "dense" / "checkpoint")[0].state_dict()
-    for c in sc.CAPACITIES:
-        tag = sc._tag(c)
+    for c in convert.CAPACITIES:
+        tag = convert._tag(c)
         conv = load_model(work / f"converted-{tag}")[0]
         assert conv.config.capacity == c and conv.config.router_gate == "straight_through"
-        states = {v: load_model(sc._ckpt(work, f"{v}-{tag}"))[0].state_dict() for v in sc.VARIANTS}
+        states = {
+            v: load_model(convert._ckpt(work, f"{v}-{tag}"))[0].state_dict()
+            for v in convert.VARIANTS
+        }
         for k, v in dense.items():  # the conversion kept every dense weight, bit for bit
             assert torch.equal(states["converted"][k], v), k
             assert torch.equal(states["routers"][k], v), k
@@ -256,5 +255,5 @@ def test_convert_plan_trains_each_variant_and_times_it_beside_dense(tiny, tmp_pa
     assert report.count("| 0.125 |") == 4 and "dense original" in report
     assert (out / "convert.png").stat().st_size > 0
     # Resumable: a second call trains nothing and measures nothing again.
-    again = sc.run(out, work, quick=True, data=data, progress=False)
+    again = convert.run(out, work, quick=True, data=data, progress=False)
     assert again == results

@@ -13,11 +13,12 @@ import zlib
 import pytest
 import torch
 
-import mixture_of_depths.study_round2 as r2
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.data import corpus_files, make_tokenizer, split_files
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.study import RunSpec, steps_for_budget
+from mixture_of_depths.studies.round2 import planning, profiles, running
+from mixture_of_depths.studies.round2 import report as rpt
+from mixture_of_depths.studies.runner import RunSpec, load_results, steps_for_budget
 from mixture_of_depths.train.tune import capacity_at
 
 
@@ -50,16 +51,20 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path):
     data.mkdir()
     for i in range(6):
         (data / f"f{i}.py").write_text(f"def f(x):\n    return x * {i}  # n{i}\n" * 200)
-    q = r2.QUICK
+    q = running.QUICK  # read where `run` looks it up
     grid = dataclasses.replace(q.grid, budgets=(3e9,), sizes=q.grid.sizes[:1])
-    monkeypatch.setattr(r2, "QUICK", dataclasses.replace(q, grid=grid, contexts=q.contexts[:1]))
-    monkeypatch.setattr(r2, "LEARNED", r2.LEARNED[:1] + r2.LEARNED[3:4])  # aux 0.1, predictor
+    monkeypatch.setattr(
+        running, "QUICK", dataclasses.replace(q, grid=grid, contexts=q.contexts[:1])
+    )
+    learned = planning.LEARNED[:1] + planning.LEARNED[3:4]  # aux 0.1, predictor
+    for module in (planning, rpt):  # the plan's variants; the report's reference row
+        monkeypatch.setattr(module, "LEARNED", learned)
     return str(data)
 
 
 def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, monkeypatch):
     out, work = tmp_path / "out", tmp_path / "work"
-    real = r2.run_one
+    real = running.run_one
     calls = []
 
     def flaky(spec, *a, **kw):
@@ -68,31 +73,41 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
         calls.append(spec.name)
         return real(spec, *a, **kw)
 
-    monkeypatch.setattr(r2, "run_one", flaky)
+    monkeypatch.setattr(running, "run_one", flaky)
     with pytest.raises(KeyboardInterrupt):
-        r2.run(out, work, quick=True, data=tiny, progress=False)
-    monkeypatch.setattr(r2, "run_one", real)
-    results = r2.run(out, work, quick=True, data=tiny, progress=False)
+        running.run(out, work, quick=True, data=tiny, progress=False)
+    monkeypatch.setattr(running, "run_one", real)
+    results = running.run(out, work, quick=True, data=tiny, progress=False)
     by = {r["name"]: r for r in results}
     assert len(by) == len(results)  # nothing ran twice
-    train_files, _ = split_files(corpus_files(tiny))
-    bpe_vocab = make_tokenizer("bpe", train_files).vocab_size
     # 2 seeds x (2 learned + random + dense + rate-matched random + winner's warm-up), then the
     # grid (dense, MoD at one size) and its second seeds
     # ...and the longer runs (winner, random, dense), the MoD model without its routed blocks
     # at both budgets
     assert len(results) == 2 * 6 + 2 * 3 + 2 + 2 + 2 * 2
+    win = _check_the_plan_followed_the_results(results, by)
+    _check_every_run_fits_its_budget(results, by, win, tiny)
+    _check_what_each_run_kept(results, by, out)
+    _check_the_report(results, out)
+    assert not any(work.iterdir())  # run folders deleted once profiled
+    monkeypatch.setattr(running, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
+    assert len(running.run(out, work, quick=True, data=tiny, progress=False)) == len(results)
+
+
+def _check_the_plan_followed_the_results(results: list[dict], by: dict[str, dict]) -> str:
+    """Rate-matched random routing, the winner's warm-up, the MoD arm of the longer runs and the
+    grid, the reused twins and the bare model; returns the winner's tag."""
     for seed in (0, 1):
         rates = by[f"abl-aux-s{seed}"]["causal_take_rate"].values()
         want = ",".join(f"{min(max(v, 1e-4), 1 - 1e-4):.6f}" for v in rates)
         assert by[f"abl-rand-rates-s{seed}"]["model"]["random_take_rates"] == want
     loss = {t: sum(by[f"abl-{t}-s{s}"]["val_loss_causal"] for s in (0, 1)) for t in ("aux", "pred")}
     win = min(loss, key=loss.get)
-    label, tag, over = next(v for v in r2.LEARNED if v[1] == win)
-    assert by[f"abl-{win}-warm-s0"]["capacity_warmup"] == r2.WARMUP
+    label, tag, over = next(v for v in planning.LEARNED if v[1] == win)
+    assert by[f"abl-{win}-warm-s0"]["capacity_warmup"] == planning.WARMUP
     # the MoD arm keeps the warm-up exactly when it lowered the winner's mean causal loss
     warm_loss = sum(by[f"abl-{win}-warm-s{s}"]["val_loss_causal"] for s in (0, 1))
-    warmup = r2.WARMUP if warm_loss < loss[win] else 0.0
+    warmup = planning.WARMUP if warm_loss < loss[win] else 0.0
     arm = f"{win}-warm" if warmup else win
     longer = [r for r in results if r["group"] == "longer"]
     assert sorted(r["name"] for r in longer) == sorted(
@@ -113,10 +128,18 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
         model = by[name]["model"]
         assert model["layer_pattern"] == "D" and model["n_layers"] == 1
     assert by[f"long-{arm}-s0"]["capacity_warmup"] == warmup
-    assert all(r["budget"] == r2.QUICK.long_budget for r in longer)
+    assert all(r["budget"] == running.QUICK.long_budget for r in longer)
     mod_grid = [r for r in results if r["group"] in ("isoflop", "seed") and "MoD" in r["label"]]
     assert mod_grid and all(r["model"].items() >= over.items() for r in mod_grid)
     assert all(r["capacity_warmup"] == warmup for r in mod_grid)
+    return win
+
+
+def _check_every_run_fits_its_budget(
+    results: list[dict], by: dict[str, dict], win: str, data: str
+) -> None:
+    train_files, _ = split_files(corpus_files(data))
+    bpe_vocab = make_tokenizer("bpe", train_files).vocab_size
     for r in results:  # every run within its budget; the warm-up runs buy fewer steps
         cfg = MoDConfig(**r["model"])
         assert cfg.vocab_size == bpe_vocab > 257  # FLOPs counted with the BPE vocabulary...
@@ -127,6 +150,10 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
                                        r["capacity_warmup"])  # fmt: skip
         assert r["steps"] == steps
     assert by[f"abl-{win}-warm-s0"]["steps"] < by[f"abl-{win}-s0"]["steps"]
+
+
+def _check_what_each_run_kept(results: list[dict], by: dict[str, dict], out) -> None:
+    """The routing diagnostics, the routing profile and the loss by place."""
     for r in results:  # the diagnostics of every routed run were kept
         lines = (out / "metrics" / f"{r['name']}.jsonl").read_text().splitlines()
         diag = [json.loads(ln)["routing_diag"] for ln in lines if "routing_diag" in ln]
@@ -138,38 +165,38 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
         mean = sum(w * v for w, v in zip(widths, prof["loss"], strict=True)) / r["seq_len"]
         if r["model"].get("router_scores") != "random":  # (random routing draws anew)
             assert mean == pytest.approx(r["val_loss_causal"], rel=1e-5), r["name"]
+
+
+def _check_the_report(results: list[dict], out) -> None:
     report = (out / "report.md").read_text()
     assert "## Routing ablations" in report and "Winning causal router" in report
     assert "isoFLOP grid" in report and "Not run yet" in report
     assert "| budget | places | best dense | best MoD | MoD vs dense |" in report
     # the summary has a row per budget and context of the grid, the findings' numbers
     grid = [r for r in results if r["group"] in ("isoflop", "seed")]
-    summary = [ln for ln in r2.summary_table(results, r2.QUICK)[2:] if ln.startswith("| ")]
+    summary = [ln for ln in rpt.summary_table(results, running.QUICK)[2:] if ln.startswith("| ")]
     cells = {(r["seq_len"], r["budget"]) for r in grid}
     assert len(summary) == len(cells) and "## Summary" in report
     for ln in summary:
         assert ln in report
     assert (out / "diagnosis.png").exists() and (out / "isoflop.png").exists()
-    assert not any(work.iterdir())  # run folders deleted once profiled
-    monkeypatch.setattr(r2, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
-    assert len(r2.run(out, work, quick=True, data=tiny, progress=False)) == len(results)
 
 
 def test_mod_arm_keeps_the_warm_up_only_where_it_helped():
     def rows(losses: dict[str, float]) -> list[dict]:
         out = []
-        for _, tag, _ in r2.LEARNED:
-            names = [f"abl-{tag}-s{sd}" for sd in r2.SEEDS]
+        for _, tag, _ in planning.LEARNED:
+            names = [f"abl-{tag}-s{sd}" for sd in planning.SEEDS]
             out += [{"name": n, "val_loss_causal": 4.0} for n in names if n not in losses]
         return out + [{"name": n, "val_loss_causal": v} for n, v in losses.items()]
 
     plain = {"abl-pred-s0": 3.75, "abl-pred-s1": 3.875}  # exact in binary: a real tie below
-    assert r2.mod_arm(rows(plain)) is None  # the warm-up runs are not in yet
-    assert r2.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.70})) is None
-    helped = r2.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.75, "abl-pred-warm-s1": 3.8125}))
-    assert helped[1:] == ("pred-warm", dict(causal_router="predictor"), r2.WARMUP)
+    assert planning.mod_arm(rows(plain)) is None  # the warm-up runs are not in yet
+    assert planning.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.70})) is None
+    helped = planning.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.75, "abl-pred-warm-s1": 3.8125}))
+    assert helped[1:] == ("pred-warm", dict(causal_router="predictor"), planning.WARMUP)
     # a tie on the mean keeps the plain winner: the warm-up must earn its place
-    tied = r2.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.625, "abl-pred-warm-s1": 4.0}))
+    tied = planning.mod_arm(rows({**plain, "abl-pred-warm-s0": 3.625, "abl-pred-warm-s1": 4.0}))
     assert tied[1:] == ("pred", dict(causal_router="predictor"), 0.0)
 
 
@@ -180,7 +207,7 @@ def test_second_seeds_go_to_the_best_two_sizes_of_each_architecture():
             spec = RunSpec(name=f"ctx256-5e13-{arch}-{size}-s0", group="isoflop",
                            label=f"{arch} {size}", budget=5e13, model={})  # fmt: skip
             rows.append({**dataclasses.asdict(spec), "val_loss_causal": loss})
-    seeds = r2._second_seeds(rows)
+    seeds = planning._second_seeds(rows)
     assert sorted(sp.name for sp in seeds) == sorted(
         f"ctx256-5e13-{n}-s1" for n in ("dense-S", "dense-M", "MoD-S", "MoD-XS")
     )
@@ -194,7 +221,7 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
     one size smaller): every isoFLOP curve ends with its least loss at a size with tried sizes
     on both sides (or at the end of the sizes there are), and no size is tried that no
     curve's search called for."""
-    names = [n for n, _ in r2.FULL.grid.sizes]
+    names = [n for n, _ in planning.FULL.grid.sizes]
 
     def loss(spec: RunSpec) -> float:
         if spec.group not in ("isoflop", "seed"):
@@ -205,7 +232,7 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
         return 3.0 + d**2 + 0.1 * d + 0.001 * spec.seed
 
     results: list[dict] = []
-    while pending := [sp for sp in r2.plan(r2.FULL, results)
+    while pending := [sp for sp in planning.plan(planning.FULL, results)
                       if sp.name not in {r["name"] for r in results}]:  # fmt: skip
         sp = pending[0]
         stats = dict(params=1, flops_per_forward_token=1.0, tokens_per_s=1.0,
@@ -213,8 +240,8 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
         results.append({**dataclasses.asdict(sp), "val_loss_causal": loss(sp),
                         "val_loss_topk": loss(sp), "causal_take_rate": {"1": 0.1, "3": 0.12},
                         **stats})  # fmt: skip
-    for budget in r2.FULL.grid.budgets:
-        for seq_len, _ in r2.FULL.contexts:
+    for budget in planning.FULL.grid.budgets:
+        for seq_len, _ in planning.FULL.contexts:
             tried = {}
             for r in results:
                 if r["group"] == "isoflop" and (r["budget"], r["seq_len"]) == (budget, seq_len):
@@ -229,9 +256,9 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
                 assert best + 1 in idx or best == len(names) - 1
                 # the summary marks a best size only where it is the first or last there is
                 edge = best in (0, len(names) - 1)
-                row = [ln for ln in r2.summary_table(results, r2.FULL)
+                row = [ln for ln in rpt.summary_table(results, planning.FULL)
                        if ln.startswith(f"| {seq_len} | {budget:.1e} |")]  # fmt: skip
-                assert len(row) == 1 and (f"{arch} {names[best]}{r2.EDGE} (" in row[0]) == edge
+                assert len(row) == 1 and (f"{arch} {names[best]}{rpt.EDGE} (" in row[0]) == edge
                 # second seeds: the best two of the final curve, and only those
                 first = {names[i]: loss(RunSpec(name="", group="isoflop", label=f"{arch} "
                          f"{names[i]}", budget=budget, model={})) for i in idx}  # fmt: skip
@@ -240,7 +267,7 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
                           and r["seq_len"] == seq_len}  # fmt: skip
                 assert seeded == set(sorted(first, key=first.get)[:2])
             # the a-priori three, plus only what bracketing needed
-            start = {names.index(n) for n, _ in r2.FULL.grid.sizes_at(budget)}
+            start = {names.index(n) for n, _ in planning.FULL.grid.sizes_at(budget)}
             for i in sorted(tried["dense"] - start):
                 assert any(abs(i - (names.index(optimum[budget]) - off)) <= 1 for off in (0, 1)), (
                     budget,
@@ -251,61 +278,61 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
 
 def _row(arch: str, size: str, seed: int, loss: float) -> dict:
     group = "seed" if seed else "isoflop"
+    model = planning.DENSE if arch == "dense" else planning.MOD
     spec = RunSpec(name=f"ctx256-5e13-{arch}-{size}-s{seed}", group=group, label=f"{arch} {size}",
-                   budget=5e13, model=r2.DENSE if arch == "dense" else r2.MOD, seq_len=256,
-                   seed=seed)  # fmt: skip
+                   budget=5e13, model=model, seq_len=256, seed=seed)  # fmt: skip
     return {**dataclasses.asdict(spec), "val_loss_causal": loss, "val_loss_topk": loss,
             "params": 1, "flops_per_forward_token": 1.0, "tokens_per_s": 1.0,
             "routing_accuracy_mean": None}  # fmt: skip
 
 
 def test_bracketing_follows_the_seeds_mean_as_the_summary_does():
-    names = [n for n, _ in r2.FULL.grid.sizes]
+    names = [n for n, _ in planning.FULL.grid.sizes]
     tried = ["S", "M", "L"]
     rows = [_row("dense", sz, 0, v) for sz, v in zip(tried, (3.70, 3.69, 3.80), strict=True)]
     rows += [_row("MoD", sz, 0, v) for sz, v in zip(tried, (3.60, 3.50, 3.55), strict=True)]
-    assert r2._bracket(rows, tried, names) == set()  # both bests inside on seed 0
+    assert planning._bracket(rows, tried, names) == set()  # both bests inside on seed 0
     # a second seed moves dense's mean best to S, the smallest tried: XS goes in
     seeded = [*rows, _row("dense", "S", 1, 3.60), _row("dense", "M", 1, 3.75)]
-    assert r2._bracket(seeded, tried, names) == {"XS"}
+    assert planning._bracket(seeded, tried, names) == {"XS"}
     # and the summary marks that best size (an edge of those tried, not of all sizes)
-    (line,) = [ln for ln in r2.summary_table(seeded, r2.FULL) if ln.startswith("| 256 |")]
-    assert f"dense S{r2.EDGE} (" in line and "MoD M (" in line
+    (line,) = [ln for ln in rpt.summary_table(seeded, planning.FULL) if ln.startswith("| 256 |")]
+    assert f"dense S{rpt.EDGE} (" in line and "MoD M (" in line
 
 
 def test_size_for_size_pairs_each_size_mean_against_mean():
-    names = [n for n, _ in r2.FULL.grid.sizes]
+    names = [n for n, _ in planning.FULL.grid.sizes]
     rows = [_row("dense", "S", 0, 4.0), _row("dense", "S", 1, 3.0), _row("MoD", "S", 0, 3.2),
             _row("MoD", "S", 1, 3.1), _row("dense", "M", 0, 4.0), _row("MoD", "M", 0, 3.0),
             _row("MoD", "L", 0, 3.0)]  # fmt: skip
     for r in rows:
         r["steps"] = 300 if r["label"].startswith("MoD") else 200
-    table = r2.size_for_size(rows, names)
+    table = rpt.size_for_size(rows, names)
     (line,) = [ln for ln in table if ln.startswith("| 5.0e+13 |")]
     cells = dict(zip(names, (c.strip() for c in line.split("|")[2:-1]), strict=True))
     # S: means 3.15 against 3.5, both seeded; M: one seed each; L: no dense twin, no cell
     assert cells["S"] == "-10.0%, 1.50x"
     assert cells["M"] == "-25.0%¹, 1.50x"
     assert cells["L"] == cells["XS"] == ""
-    assert r2.size_for_size([], names) == []
+    assert rpt.size_for_size([], names) == []
 
 
 def test_twin_is_the_same_training_run_only():
-    shape = dict(r2.FULL.grid.sizes)[r2.FULL.grid.ablation_size]
-    model = {"max_seq_len": 256, **shape, **r2.MOD, "causal_router": "predictor"}
+    shape = dict(planning.FULL.grid.sizes)[planning.FULL.grid.ablation_size]
+    model = {"max_seq_len": 256, **shape, **planning.MOD, "causal_router": "predictor"}
     spec = RunSpec(name="ctx256-5e13-MoD-S-s0", group="isoflop", label="MoD S", budget=5e13,
                    model=model, seq_len=256, batch_size=16, capacity_warmup=0.1)  # fmt: skip
     # the finished run records its model as built: the vocabulary and the resolved routing
     built = dataclasses.asdict(MoDConfig(**{**model, "vocab_size": 4096}))
     done = {**dataclasses.asdict(spec), "name": "long-pred-warm-s0", "group": "longer",
             "evaluations": 10, "model": built}  # fmt: skip
-    assert r2._twin(spec, [done]) is done
+    assert running._twin(spec, [done]) is done
     for change in (dict(seed=1), dict(capacity_warmup=0.0), dict(batch_size=8), dict(seq_len=128),
                    dict(budget=1.5e13), dict(model={**model, "d_model": 64}),
                    dict(model={**model, "router_scores": "random"})):  # fmt: skip
-        assert r2._twin(dataclasses.replace(spec, **change), [done]) is None, change
+        assert running._twin(dataclasses.replace(spec, **change), [done]) is None, change
     rand = dataclasses.replace(spec, model={**model, "router_scores": "random"})
-    assert r2._twin(rand, [{**done, "model": {**built, "router_scores": "random"}}]) is None
+    assert running._twin(rand, [{**done, "model": {**built, "router_scores": "random"}}]) is None
 
 
 def _fake_run_one(calls: list[tuple[str, str]], pause: float):
@@ -333,22 +360,22 @@ def _fake_run_one(calls: list[tuple[str, str]], pause: float):
 def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     """Two workers on one study (threads here; `mod study --workers` uses processes, the same
     locks) end with exactly the runs one worker would have run, each run once, both busy."""
-    monkeypatch.setattr(r2, "routing_profile", lambda *a, **k: {})
-    monkeypatch.setattr(r2, "position_profile", lambda *a, **k: {})
-    monkeypatch.setattr(r2, "write_report", lambda *a, **k: None)
+    monkeypatch.setattr(running, "routing_profile", lambda *a, **k: {})
+    monkeypatch.setattr(running, "position_profile", lambda *a, **k: {})
+    monkeypatch.setattr(running, "write_report", lambda *a, **k: None)
     solo: list[tuple[str, str]] = []
-    monkeypatch.setattr(r2, "run_one", _fake_run_one(solo, 0.0))
-    one = r2.run(tmp_path / "solo", tmp_path / "w1", quick=True, progress=False)
+    monkeypatch.setattr(running, "run_one", _fake_run_one(solo, 0.0))
+    one = running.run(tmp_path / "solo", tmp_path / "w1", quick=True, progress=False)
     assert len(one) > 20 and len(solo) == len({r["name"] for r in one if "same_run_as" not in r})
     solo_names = sorted(name for _, name in solo)
 
     calls: list[tuple[str, str]] = []
-    monkeypatch.setattr(r2, "run_one", _fake_run_one(calls, 0.02))
+    monkeypatch.setattr(running, "run_one", _fake_run_one(calls, 0.02))
     out, work = tmp_path / "out", tmp_path / "work"
     mine: dict[int, list[str]] = {}
 
     def worker(i: int) -> None:
-        rows = r2.run(out, work, quick=True, progress=False, poll_s=0.01)
+        rows = running.run(out, work, quick=True, progress=False, poll_s=0.01)
         mine[i] = [r["name"] for r in rows]
 
     threads = [
@@ -361,7 +388,7 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     assert not any(t.is_alive() for t in threads)
     assert sorted(name for _, name in calls) == solo_names  # the same runs, none twice
     assert {who for who, _ in calls} == {"w0", "w1"}  # both trained
-    rows = r2.load_results(out / "results.jsonl")
+    rows = load_results(out / "results.jsonl")
     names = [r["name"] for r in rows]
     assert len(names) == len(set(names)) and set(names) == {r["name"] for r in one}
     assert set(mine[0]) == set(mine[1]) == set(names)  # each returns the whole study
@@ -369,7 +396,7 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     # a claim is on what a run trains: twins share it (and are never trained twice), other
     # runs do not
     fields = [f.name for f in dataclasses.fields(RunSpec)]
-    key = {r["name"]: r2._training_key(RunSpec(**{f: r[f] for f in fields})) for r in rows}
+    key = {r["name"]: running._training_key(RunSpec(**{f: r[f] for f in fields})) for r in rows}
     for r in rows:
         if "same_run_as" in r:
             assert key[r["name"]] == key[r["same_run_as"]]
@@ -378,14 +405,14 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
 
 
 def test_a_run_finished_while_we_claimed_it_is_not_trained_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(r2, "routing_profile", lambda *a, **k: {})
-    monkeypatch.setattr(r2, "position_profile", lambda *a, **k: {})
-    monkeypatch.setattr(r2, "write_report", lambda *a, **k: None)
+    monkeypatch.setattr(running, "routing_profile", lambda *a, **k: {})
+    monkeypatch.setattr(running, "position_profile", lambda *a, **k: {})
+    monkeypatch.setattr(running, "write_report", lambda *a, **k: None)
     calls: list[tuple[str, str]] = []
     fake = _fake_run_one(calls, 0.0)
-    monkeypatch.setattr(r2, "run_one", fake)
+    monkeypatch.setattr(running, "run_one", fake)
     out, work = tmp_path / "out", tmp_path / "work"
-    seen, real_key, real_claim = [], r2._training_key, r2._claim
+    seen, real_key, real_claim = [], running._training_key, running._claim
 
     def key(spec):
         seen.append(spec)
@@ -399,9 +426,9 @@ def test_a_run_finished_while_we_claimed_it_is_not_trained_again(tmp_path, monke
             calls.clear()
         return real_claim(folder, name)
 
-    monkeypatch.setattr(r2, "_training_key", key)
-    monkeypatch.setattr(r2, "_claim", claim)
-    rows = r2.run(out, work, quick=True, progress=False, max_runs=2)
+    monkeypatch.setattr(running, "_training_key", key)
+    monkeypatch.setattr(running, "_claim", claim)
+    rows = running.run(out, work, quick=True, progress=False, max_runs=2)
     first = seen[0].name
     assert first not in [name for _, name in calls]  # not trained again...
     assert [r["name"] for r in rows].count(first) == 1  # ...nor recorded twice
@@ -415,7 +442,7 @@ def test_a_claim_that_cannot_be_checked_is_an_error_not_a_wait(tmp_path):
         json.dumps({"host": "elsewhere", "pid": 1, "boot": "another-boot", "since": "then"})
     )
     with pytest.raises(RunLockedError, match="delete the lock file"):
-        r2._claim(tmp_path, "x")
+        running._claim(tmp_path, "x")
 
 
 def test_mod_study_workers_launches_one_process_per_worker(tmp_path, monkeypatch, capsys):
@@ -466,14 +493,14 @@ def test_loss_by_place_averages_to_the_causal_validation_loss(corpus, tmp_path, 
     cfg = MoDConfig(**TINY, layer_pattern=layer_pattern, causal_router="predictor")
     out = tmp_path / "run"
     summary = train(cfg, tc(corpus, out, steps=4, eval_every=4, eval_batches=3), progress=False)
-    prof = r2.position_profile(out / "checkpoint", str(corpus), 4, 32, 3)
+    prof = profiles.position_profile(out / "checkpoint", str(corpus), 4, 32, 3)
     edges = prof["edges"]
-    assert edges == r2.position_buckets(32) == [0, 2, 8, 32]
+    assert edges == profiles.position_buckets(32) == [0, 2, 8, 32]
     widths = [b - a for a, b in zip(edges[:-1], edges[1:], strict=True)]
     mean = sum(w * v for w, v in zip(widths, prof["loss"], strict=True)) / 32
     assert mean == pytest.approx(summary["val_loss_causal"], rel=1e-5)
-    assert r2.position_buckets(1024) == [0, 16, 64, 256, 1024]
-    assert r2.position_buckets(8) == [0, 2, 8] and r2.position_buckets(1) == [0, 1]
+    assert profiles.position_buckets(1024) == [0, 16, 64, 256, 1024]
+    assert profiles.position_buckets(8) == [0, 2, 8] and profiles.position_buckets(1) == [0, 1]
 
 
 def test_position_table_compares_the_best_sizes_over_their_profiled_seeds():
@@ -494,11 +521,11 @@ def test_position_table_compares_the_best_sizes_over_their_profiled_seeds():
         row("MoD", "S", 0, 2.4, [4.0, 3.3, 2.4]),
         row("MoD", "S", 1, 2.4, [4.0, 3.3, 2.6]),
     ]
-    table = r2.position_table(rows)
+    table = rpt.position_table(rows)
     body = [ln for ln in table if ln.startswith("| 1.0e+09")]
     assert body == [
         "| 1.0e+09 | 0-0 | dense S (1): 4.000 | MoD S (2): 4.000 | +0.0% |",
         "| 1.0e+09 | 1-1 | dense S (1): 3.000 | MoD S (2): 3.300 | +10.0% |",
         "| 1.0e+09 | 2-7 | dense S (1): 2.000 | MoD S (2): 2.500 | +25.0% |",
     ]
-    assert r2.position_table([r for r in rows if r["label"] != "dense S"][:1]) == []
+    assert rpt.position_table([r for r in rows if r["label"] != "dense S"][:1]) == []

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
+
+from ..studies import convert, isoflop, kv, mode, round2, workers
+from ..studies.runner import Plan, study
+
+# the plans `runner.study` runs; convert and round2 have loops of their own
+PLANS: dict[str, Plan] = {"isoflop": isoflop.ISOFLOP, "mode": mode.PLAN, "kv": kv.PLAN}
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -61,109 +65,51 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..study import ISOFLOP, study
-    from ..study_kv import PLAN as KV
-    from ..study_mode import PLAN as MODE
-
     if args.workers != 1 and args.plan != "round2":
         raise ValueError(f"--workers applies to --plan round2 only, got {args.workers} with "
                          f"--plan {args.plan}")  # fmt: skip
     if args.plan == "convert":
-        from ..study_convert import OUT
-        from ..study_convert import run as convert_study
-
-        results = convert_study(
+        results = convert.run(
             args.out, args.work, args.quick, args.data, progress=not args.no_progress
         )
-        out = args.out or (OUT + ("-quick" if args.quick else ""))
+        out = args.out or convert.FOLDERS.out_for(args.quick)
         print(f"{len(results)} models in {out}/results.jsonl; report: {out}/report.md")
         return 0
     if args.plan == "round2":
-        from ..study_round2 import OUT as R2
-        from ..study_round2 import run as round2
-
-        if args.max_runs is not None and args.max_runs < 1:
-            raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
-        out = args.out or (R2 + ("-quick" if args.quick else ""))
-        if args.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {args.workers}")
-        if args.workers > 1:
-            return _study_workers(args, out)
-        results = round2(
-            args.out,
-            args.work,
-            args.quick,
-            args.data,
-            not args.no_progress,
-            args.max_runs,
-            worker=args.worker_index,
-        )
-        print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
-        return 0
-    plan = {"isoflop": ISOFLOP, "mode": MODE, "kv": KV}[args.plan]
+        return _round2(args)
+    plan = PLANS[args.plan]
     results = study(
+        plan,
         args.out,
         args.work,
         quick=args.quick,
         data=args.data,
         keep_checkpoints=args.keep_checkpoints,
         progress=not args.no_progress,
-        plan=plan,
     )
-    out = args.out or plan.out
+    out = args.out or plan.folders.out_for(args.quick)
     print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
     return 0
 
 
-def _study_workers(args: argparse.Namespace, out: str) -> int:
-    """`mod study --plan round2 --workers N`: N processes of the study, each claiming its own
-    runs (`study_round2.run`), with the cores split between them. Each prints a line per run
-    it finishes; a bar per process would garble the terminal."""
-    import signal
-    import subprocess
-
-    if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))  # the cores this process may use
-    else:
-        cores = os.cpu_count() or 1
-    if args.workers > cores:
-        raise ValueError(f"--workers must be at most the {cores} cores here, got {args.workers}")
-    threads = max(1, cores // args.workers)
-    cmd = [sys.executable, "-m", "mixture_of_depths", "study", "--plan", "round2", "--no-progress"]
-    for flag, value in (("--out", args.out), ("--work", args.work), ("--data", args.data),
-                        ("--max-runs", args.max_runs)):  # fmt: skip
-        if value is not None:
-            cmd += [flag, str(value)]
-    if args.quick:
-        cmd.append("--quick")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    print(f"{args.workers} workers, {threads} thread(s) each; results in {out}/results.jsonl",
-          flush=True)  # fmt: skip
-    procs = [
-        subprocess.Popen([*cmd, "--worker-index", str(i)], env=env) for i in range(args.workers)
-    ]
-
-    def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop)  # a kill stops the workers too
-    try:
-        codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:
-        for p in procs:  # a terminal's Ctrl-C reached them too; a kill did not
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    bad = [c for c in codes if c != 0]
-    if bad:
-        print(f"mod study: {len(bad)} of {args.workers} workers failed (exit {bad[0]})",
-              file=sys.stderr)  # fmt: skip
-        return bad[0]
-    print(f"report: {out}/report.md")
+def _round2(args: argparse.Namespace) -> int:
+    if args.max_runs is not None and args.max_runs < 1:
+        raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
+    out = args.out or round2.FOLDERS.out_for(args.quick)
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1:
+        return workers.launch(
+            args.workers, args.out, args.work, args.data, args.max_runs, args.quick, out
+        )
+    results = round2.run(
+        args.out,
+        args.work,
+        args.quick,
+        args.data,
+        not args.no_progress,
+        args.max_runs,
+        worker=args.worker_index,
+    )
+    print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
     return 0

@@ -12,35 +12,38 @@ seed; a difference counts only beyond those runs' seed spread.
 
 Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, which charges
 "residual" its skippers' K/V projections and its routed queries' attention over every key). After
-training, each model is measured with nothing else of the study running (`measure`): the KV
-bytes per token its cache held (bf16), the prefill calibration of `generate.prefill_calibration`
-(teacher-forced loss after a causal against a top-k prefill of half the sequence, and the share
-of prompt decisions that differ), and decode tokens/s at batch 1 and 8, the models of each budget
-and length side by side (`decode_speeds`: one thread, a prompt of half the sequence, 128 greedy
-tokens, the median of 15 interleaved rounds). Measurements are kept in ``measures.jsonl`` and
-``decode.jsonl``; delete one to measure again.
+training, each model is measured with nothing else of the study running (`measure`, with the
+shared `studies.measure`): the KV bytes per token its cache held (bf16), the prefill calibration
+of `generate.prefill_calibration` (teacher-forced loss after a causal against a top-k prefill of
+half the sequence, and the share of prompt decisions that differ), and decode tokens/s at batch
+1 and 8, the models of each budget and length side by side (`measure.decode_speeds`: one thread,
+a prompt of half the sequence, 128 greedy tokens, the median of 15 interleaved rounds).
+Measurements are kept in ``measures.jsonl`` and ``decode.jsonl``; delete one to measure again.
 """
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .fileio import atomic_write_text, json_text
-from .study import (
+from ..config import MoDConfig
+from ..fileio import atomic_write_text, json_text
+from ..flops import estimate_flops
+from ..runtime.checkpoint import resolve_checkpoint
+from ..train import CHECKPOINT_NAME, has_checkpoint
+from .measure import decode_speeds, measure_run
+from .plots import plot_vs_dense
+from .runner import (
     AUX_ROUTING,
+    Folders,
     Plan,
     RunSpec,
     StudySettings,
-    _budget_tag,
-    _mean_seeds,
-    _seed_gaps,
+    budget_tag,
     load_results,
-    plot_vs_dense,
+    mean_seeds,
     second_seed,
+    seed_gaps,
 )
 
 SEQ_LENS: tuple[tuple[int, int], ...] = ((256, 16), (1024, 4))  # (length, batch): 4096 tokens
@@ -83,10 +86,6 @@ QUICK = StudySettings(
     ablation_size="S",
 )
 
-DECODE_NEW = 128
-DECODE_BATCHES = (1, 8)
-DECODE_ROUNDS = 15
-
 
 def _lengths(settings: StudySettings) -> tuple[tuple[int, int], ...]:
     """(sequence length, batch) pairs: the full study's, or the quick one's scaled down."""
@@ -102,7 +101,7 @@ def plan(settings: StudySettings) -> list[RunSpec]:
     size, shape = settings.sizes[0]
     return [
         RunSpec(
-            name=f"{_budget_tag(budget)}-T{T}-{tag}-{size}-s0",
+            name=f"{budget_tag(budget)}-T{T}-{tag}-{size}-s0",
             group="isoflop",
             label=label,
             budget=budget,
@@ -142,83 +141,6 @@ def seed_specs(
 
 
 # -- measurements of the trained models ---------------------------------------------------------
-def _val_tokens(ckpt: Path, data: str | None) -> torch.Tensor:
-    from .data import load_splits, load_tokenizer
-
-    return load_splits(data, load_tokenizer(ckpt))[1]
-
-
-def _prompts(val: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, int]:
-    """Held-out prompts of half the sequence (as many rows as the largest batch), and the
-    decode steps that fit after them."""
-    from .data import eval_batches
-
-    prompt_len = seq_len // 2
-    rows = eval_batches(val, max(DECODE_BATCHES), prompt_len, 1)[0][0]
-    return rows, min(DECODE_NEW, seq_len - prompt_len)
-
-
-def measure_run(ckpt: Path, seq_len: int, data: str | None) -> dict[str, Any]:
-    """The KV bytes per token the cache held in a greedy decode at batch 8 (had it been bf16),
-    the take-rates of that decode, and the prefill calibration of the model saved in `ckpt`."""
-    from .bench.decode import decode_run
-    from .data import eval_batches
-    from .generate import prefill_calibration
-    from .runtime.checkpoint import load_model
-
-    model, cfg = load_model(ckpt)
-    model.eval()
-    val = _val_tokens(ckpt, data)
-    prompts, new = _prompts(val, seq_len)
-    run = decode_run(model, prompts, new, lambda: None)
-    kv_entry = 2 * cfg.n_kv_heads * cfg.head_dim  # elements a token stores in one layer
-    out: dict[str, Any] = {
-        "kv_bytes_per_token_measured": 2 * kv_entry * sum(run["cached_share"]),
-        "take_decode": run["take_decode"],
-    }
-    if not cfg.is_dense:
-        idx = eval_batches(val, 8, seq_len, 1)[0][0]
-        out.update(prefill_calibration(model, idx, seq_len // 2))
-    return out
-
-
-def decode_speeds(
-    ckpts: dict[str, Path], seq_len: int, data: str | None
-) -> dict[str, dict[str, float]]:
-    """Decode tokens/s at batch 1 and 8 of the models of one cell (one budget and length),
-    measured side by side: every round decodes once with each model, in an order that rotates
-    every round, so drift and stray load hit all alike; the median over `DECODE_ROUNDS` rounds
-    after a warm-up, and the spread (interquartile range / median). CPU, one thread; only the decode
-    steps are timed (`bench.decode.decode_run`)."""
-    from .bench.decode import decode_run
-    from .runtime.checkpoint import load_model
-
-    models = {name: load_model(c)[0].eval() for name, c in ckpts.items()}
-    prompts, new = _prompts(_val_tokens(next(iter(ckpts.values())), data), seq_len)
-    names = list(models)
-    secs: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in DECODE_BATCHES}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # decode ops are too small to share between threads
-    try:
-        for b in DECODE_BATCHES:
-            for rnd in range(DECODE_ROUNDS + 1):
-                k = rnd % len(names)
-                for name in names[k:] + names[:k]:
-                    took = decode_run(models[name], prompts[:b], new, lambda: None)["seconds"]
-                    if rnd:  # round 0 warms up
-                        secs[name, b].append(took)
-    finally:
-        torch.set_num_threads(threads)
-    out: dict[str, dict[str, float]] = {n: {} for n in names}
-    for (name, b), ts in secs.items():
-        med = statistics.median(ts)
-        q1, _, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (med, med, med)
-        out[name][f"decode_tok_s_b{b}"] = b * new / med
-        # the interquartile range: robust to the odd round a shared machine stalls
-        out[name][f"decode_spread_b{b}"] = (q3 - q1) / med
-    return out
-
-
 def train_curve(run_dir: Path) -> list[list[float]]:
     """The run's logged (step, training LM loss) pairs, from its metrics.jsonl."""
     rows = load_results(run_dir / "metrics.jsonl")
@@ -245,9 +167,6 @@ def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | No
     ``measures.jsonl`` (cache bytes, prefill calibration, training curve), then decode speed,
     cell by cell, for the cells with a run not yet in ``decode.jsonl`` (all of the cell's models
     again, side by side). Delete a file to measure again."""
-    from .runtime.checkpoint import resolve_checkpoint
-    from .train import CHECKPOINT_NAME, has_checkpoint
-
     kept = [r for r in results if has_checkpoint(work / r["name"])]
     ckpt = {r["name"]: resolve_checkpoint(work / r["name"] / CHECKPOINT_NAME) for r in kept}
     path = out / "measures.jsonl"
@@ -290,8 +209,8 @@ def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
     for budget in sorted({r["budget"] for r in results}):
         for T in sorted({r["seq_len"] for r in results}):
             rows = [r for r in results if r["budget"] == budget and r["seq_len"] == T]
-            loss = _mean_seeds([{**r, "judged": r["val_loss_causal"]} for r in rows], "judged")
-            gaps = _seed_gaps(rows)
+            loss = mean_seeds([{**r, "judged": r["val_loss_causal"]} for r in rows], "judged")
+            gaps = seed_gaps(rows)
             spread = max(gaps.values()) if gaps else None
             pairs = []
             for cap in ("12.5%", "25%"):
@@ -365,18 +284,25 @@ def _row(r: dict[str, Any], dense_loss: float | None) -> str:
 
 
 def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettings) -> None:
-    from .config import MoDConfig
-    from .flops import estimate_flops
-
+    """``report.md``, ``findings.json`` and ``kv.png``, from the results and measurements so far."""
     rows = _merged(results, out)
     for r in rows:  # analytic decode FLOPs per token at the run's length, take-rate = capacity
         cfg = MoDConfig(**r["model"])
         r["decode_flops_per_token"] = estimate_flops(
             cfg, r["seq_len"], with_dense=False
         ).decode_per_token
-    order = {label: i for i, (label, _, _) in enumerate(ARCHS)}
     summary = findings(rows)
-    lines = [
+    lines = [*_intro(settings), *_pairs(summary), "", *_tables(rows)]
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    atomic_write_text(out / "findings.json", json_text(summary, indent=1) + "\n")
+    try:
+        _plot(summary, out)
+    except Exception as exc:  # plots are a convenience; the results are already saved
+        print(f"note: plot failed: {exc!r}")
+
+
+def _intro(settings: StudySettings) -> list[str]:
+    return [
         "# KV strategies: routing-isolated attention against residual cache duplication",
         "",
         f"Default corpus, byte tokenizer, one shape ({settings.sizes[0][0]}: "
@@ -397,9 +323,12 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
         "prompt's routing decisions that differ. Generated by `mod study --plan kv`; plot: "
         "`kv.png`.",
         "",
-        "## Residual against none, per capacity",
-        "",
     ]
+
+
+def _pairs(summary: dict[str, Any]) -> list[str]:
+    """Residual against none per cell and capacity, with its verdict and the same-steps loss."""
+    lines = ["## Residual against none, per capacity", ""]
     for c in summary["cells"]:
         sp = "-" if c["seed_spread"] is None else f"{c['seed_spread']:.4f}"
         for p in c["pairs"]:
@@ -417,7 +346,13 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
                 f"{-100 * p['gain_residual']:+.2f}% against none; seed spread {sp}): "
                 f"{p['verdict']}.{per_step}"
             )
-    lines.append("")
+    return lines
+
+
+def _tables(rows: list[dict[str, Any]]) -> list[str]:
+    """A table per budget and length: every run with its measurements, against dense."""
+    order = {label: i for i, (label, _, _) in enumerate(ARCHS)}
+    lines: list[str] = []
     for budget in sorted({r["budget"] for r in rows}):
         for T in sorted({r["seq_len"] for r in rows}):
             cell = [r for r in rows if r["budget"] == budget and r["seq_len"] == T]
@@ -427,12 +362,7 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
             key = lambda r: (order.get(r["label"], 99), r["seed"])  # noqa: E731
             lines += [_row(r, dense_loss) for r in sorted(cell, key=key)]
             lines.append("")
-    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
-    atomic_write_text(out / "findings.json", json_text(summary, indent=1) + "\n")
-    try:
-        _plot(summary, out)
-    except Exception as exc:  # plots are a convenience; the results are already saved
-        print(f"note: plot failed: {exc!r}")
+    return lines
 
 
 def _plot(summary: dict[str, Any], out: Path) -> None:
@@ -452,8 +382,7 @@ PLAN = Plan(  # the module's globals are read at call time (tests cut the plan d
     settings=lambda quick: QUICK if quick else FULL,
     runs=lambda settings: plan(settings),
     report=lambda results, out, settings: write_report(results, out, settings),
-    out="docs/study/kv",
-    work="runs/study-kv",
+    folders=Folders(out="docs/study/kv", work="runs/study-kv"),
     seeds=lambda results, budget, settings: seed_specs(results, budget, settings),
     finish=lambda results, out, work, data: measure(results, out, work, data),
 )

@@ -15,7 +15,7 @@ and, as the fair baseline for the fine-tuned ones, the dense model trained the s
 at the full fine-tune's learning rate (**dense + ft**).
 
 Each is evaluated on the same validation batches in causal routing (what generation does; top-k
-beside it) and timed decoding beside the dense original (`study_kv.decode_speeds`: one thread,
+beside it) and timed decoding beside the dense original (`measure.decode_speeds`: one thread,
 prompts of half the context, greedy, the median of interleaved rounds), with nothing else of the
 study running. Every step is resumable: a finished one is in ``results.jsonl``; the models live
 in the work folder until the report is written.
@@ -27,15 +27,22 @@ of the dense run's peak); both with the warm-up and cosine of `TrainConfig`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .fileio import atomic_write_text, json_text
+from ..config import MoDConfig
+from ..convert import convert_folder
+from ..fileio import atomic_write_text, json_text
+from ..runtime.checkpoint import load_config, resolve_checkpoint
+from ..train import TrainConfig, evaluate_checkpoint, has_checkpoint, train
+from .measure import decode_speeds
+from .plots import pyplot
+from .runner import Folders, load_results
 
 CAPACITIES = (0.5, 0.25, 0.125)
 VARIANTS = ("converted", "routers", "routers+distill", "full")
-OUT = "docs/convert"
-WORK = "runs/study-convert"
+FOLDERS = Folders(out="docs/convert", work="runs/study-convert", quick_apart=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +63,36 @@ def _tag(c: float) -> str:
     return f"c{round(c * 1000):04d}"
 
 
-def _load(path: Path) -> dict[str, dict[str, Any]]:
-    from .study import load_results
+@dataclasses.dataclass
+class _Job:
+    """One run of the study: its settings, folders and the rows done so far (by name)."""
 
-    return {r["name"]: r for r in load_results(path)} if path.exists() else {}
+    s: Settings
+    work: Path
+    data: str | None
+    progress: bool
+    path: Path  # results.jsonl, rewritten whole on every record
+    done: dict[str, dict[str, Any]]
+
+    def record(self, name: str, **fields: Any) -> None:
+        self.done[name] = {"name": name, **fields}
+        text = "".join(json_text(r, indent=None) + "\n" for r in self.done.values())
+        atomic_write_text(self.path, text)
+
+    def evaluate(self, ckpt: Path) -> dict[str, Any]:
+        ev = evaluate_checkpoint(ckpt, self.data, self.s.eval_batches, self.s.batch_size)
+        keep = ("val_loss_topk", "val_loss_causal", "routing_accuracy", "causal_take_rate")
+        return {k: ev[k] for k in keep if k in ev}
+
+    def train_run(self, run_dir: Path, cfg: MoDConfig | None, **kw: Any) -> None:
+        """Train into `run_dir` (from `cfg`, or resumed from its checkpoint if it has one)."""
+        resume = has_checkpoint(run_dir)
+        tc = TrainConfig(
+            out=str(run_dir), data=self.data, batch_size=self.s.batch_size,
+            eval_batches=self.s.eval_batches, **kw,
+        )  # fmt: skip
+        train(None if resume else cfg, tc, resume=resume, overwrite=not resume,
+              progress=self.progress)  # fmt: skip
 
 
 def run(
@@ -69,81 +102,71 @@ def run(
     data: str | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    from .config import MoDConfig
-    from .convert import convert_folder
-    from .hf import export_llama
-    from .runtime.checkpoint import resolve_checkpoint
-    from .train import TrainConfig, evaluate_checkpoint, has_checkpoint, train
-
+    """Run (or resume) the conversion study; returns its rows and writes the report and plot.
+    `out` / `work` default to `FOLDERS` (``-quick`` beside them for a quick run)."""
     s = QUICK if quick else Settings()
-    out = Path(out or (OUT + ("-quick" if quick else "")))
-    work = Path(work or (WORK + ("-quick" if quick else "")))
+    out = Path(out or FOLDERS.out_for(quick))
+    work = Path(work or FOLDERS.work_for(quick))
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
-    done = _load(path)
-
-    def record(name: str, **fields: Any) -> None:
-        done[name] = {"name": name, **fields}
-        atomic_write_text(path, "".join(json_text(r, indent=None) + "\n" for r in done.values()))
-
-    def evaluate(ckpt: Path) -> dict[str, Any]:
-        ev = evaluate_checkpoint(ckpt, data, s.eval_batches, s.batch_size)
-        keep = ("val_loss_topk", "val_loss_causal", "routing_accuracy", "causal_take_rate")
-        return {k: ev[k] for k in keep if k in ev}
-
-    common = dict(data=data, batch_size=s.batch_size, eval_batches=s.eval_batches)
-    dense_dir = work / "dense"
-    if "dense" not in done:
-        resume = has_checkpoint(dense_dir)
-        tc = TrainConfig(
-            out=str(dense_dir), steps=s.dense_steps, eval_every=s.dense_steps, **common
-        )
-        cfg = None if resume else MoDConfig.preset(s.preset)
-        train(cfg, tc, resume=resume, overwrite=not resume, progress=progress)
-        record("dense", variant="dense", capacity=1.0, **evaluate(dense_dir / "checkpoint"))
-    if "dense+ft" not in done:  # the fair baseline: the dense model trained the same steps more
-        run_dir = work / "dense+ft"
-        resume = has_checkpoint(run_dir)
-        tc = TrainConfig(
-            out=str(run_dir), init_from=str(dense_dir / "checkpoint"), steps=s.tune_steps,
-            eval_every=s.tune_steps, warmup_steps=max(1, s.tune_steps // 10), lr=s.full_lr,
-            **common,
-        )  # fmt: skip
-        train(None, tc, resume=resume, overwrite=not resume, progress=progress)
-        record("dense+ft", variant="dense+ft", capacity=1.0, **evaluate(run_dir / "checkpoint"))
+    job = _Job(s, work, data, progress, path, {r["name"]: r for r in load_results(path)})
+    _dense(job)
     llama = work / "dense-llama"
     if not llama.exists():
-        export_llama(dense_dir / "checkpoint", llama)
+        from ..hf import export_llama  # the [hf] extra
+
+        export_llama(work / "dense" / "checkpoint", llama)
     for c in CAPACITIES:
-        conv = work / f"converted-{_tag(c)}"
-        if not conv.exists():
-            convert_folder(llama, conv, "DR", c)
-        if f"converted-{_tag(c)}" not in done:
-            record(f"converted-{_tag(c)}", variant="converted", capacity=c, **evaluate(conv))
-        tunes = {
-            "routers": dict(tune="routers", lr=s.router_lr),
-            "routers+distill": dict(tune="routers", lr=s.router_lr, distill=1.0),
-            "full": dict(tune="all", lr=s.full_lr),
-        }
-        for variant, kw in tunes.items():
-            name = f"{variant}-{_tag(c)}"
-            if name in done:
-                continue
-            run_dir = work / name
-            resume = has_checkpoint(run_dir)
-            tc = TrainConfig(
-                out=str(run_dir), init_from=str(resolve_checkpoint(conv)), steps=s.tune_steps,
-                eval_every=s.tune_steps, capacity_warmup=s.tune_steps // 3,
-                warmup_steps=max(1, s.tune_steps // 10), **common, **kw,
-            )  # fmt: skip
-            train(None, tc, resume=resume, overwrite=not resume, progress=progress)
-            record(name, variant=variant, capacity=c, **evaluate(run_dir / "checkpoint"))
-    if not all("decode_tok_s_b1" in r for n, r in done.items() if n != "dense+ft"):
-        measure_decode(done, work, data, record)
-    results = list(done.values())
+        _converted(job, llama, c)
+    if not all("decode_tok_s_b1" in r for n, r in job.done.items() if n != "dense+ft"):
+        measure_decode(job.done, work, data, job.record)
+    results = list(job.done.values())
     write_report(results, out, s)
     return results
+
+
+def _dense(job: _Job) -> None:
+    """The dense model, and the fair baseline: the dense model trained the same steps more."""
+    s, dense_dir = job.s, job.work / "dense"
+    if "dense" not in job.done:
+        steps = s.dense_steps
+        job.train_run(dense_dir, MoDConfig.preset(s.preset), steps=steps, eval_every=steps)
+        job.record("dense", variant="dense", capacity=1.0, **job.evaluate(dense_dir / "checkpoint"))
+    if "dense+ft" not in job.done:
+        run_dir = job.work / "dense+ft"
+        job.train_run(
+            run_dir, None, init_from=str(dense_dir / "checkpoint"), steps=s.tune_steps,
+            eval_every=s.tune_steps, warmup_steps=max(1, s.tune_steps // 10), lr=s.full_lr,
+        )  # fmt: skip
+        ev = job.evaluate(run_dir / "checkpoint")
+        job.record("dense+ft", variant="dense+ft", capacity=1.0, **ev)
+
+
+def _converted(job: _Job, llama: Path, c: float) -> None:
+    """At capacity `c`: the conversion, then its router-tuned, distilled and fine-tuned runs."""
+    s = job.s
+    conv = job.work / f"converted-{_tag(c)}"
+    if not conv.exists():
+        convert_folder(llama, conv, "DR", c)
+    if f"converted-{_tag(c)}" not in job.done:
+        job.record(f"converted-{_tag(c)}", variant="converted", capacity=c, **job.evaluate(conv))
+    tunes = {
+        "routers": dict(tune="routers", lr=s.router_lr),
+        "routers+distill": dict(tune="routers", lr=s.router_lr, distill=1.0),
+        "full": dict(tune="all", lr=s.full_lr),
+    }
+    for variant, kw in tunes.items():
+        name = f"{variant}-{_tag(c)}"
+        if name in job.done:
+            continue
+        run_dir = job.work / name
+        job.train_run(
+            run_dir, None, init_from=str(resolve_checkpoint(conv)), steps=s.tune_steps,
+            eval_every=s.tune_steps, capacity_warmup=s.tune_steps // 3,
+            warmup_steps=max(1, s.tune_steps // 10), **kw,
+        )  # fmt: skip
+        job.record(name, variant=variant, capacity=c, **job.evaluate(run_dir / "checkpoint"))
 
 
 def _ckpt(work: Path, name: str) -> Path:
@@ -151,13 +174,13 @@ def _ckpt(work: Path, name: str) -> Path:
 
 
 def measure_decode(
-    done: dict[str, dict[str, Any]], work: Path, data: str | None, record: Any
+    done: dict[str, dict[str, Any]],
+    work: Path,
+    data: str | None,
+    record: Callable[..., None],
 ) -> None:
     """Decode tokens/s of every model beside the dense original, one capacity at a time (the
     dense model timed in each group, so every ratio is of models timed side by side)."""
-    from .runtime.checkpoint import load_config
-    from .study_kv import decode_speeds
-
     seq_len = load_config(work / "dense" / "checkpoint").max_seq_len
     dense = {k: v for k, v in done["dense"].items() if k != "name"}
     for c in CAPACITIES:
@@ -226,11 +249,7 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Settings) -> None:
 
 
 def _plot(results: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     markers = {"converted": "x", "routers": "o", "routers+distill": "s", "full": "^"}
     colors = dict(zip(CAPACITIES, ("tab:blue", "tab:orange", "tab:green"), strict=True))

@@ -4,8 +4,8 @@ helped; the library's defaults, predictor and a 10% warm-up, where the CPU study
 one yet) at 1e16 and 3e16 training FLOPs, bf16 autocast, BPE tokens, 1024 tokens of
 context. About ten minutes on one H100/H200-class GPU.
 
-    python benchmarks/gpu_study.py                        # into docs/study/round2/gpu/
-    python benchmarks/gpu_study.py --budgets 1e16 --out /tmp/gpu
+    python -m mixture_of_depths.studies.gpu         # into docs/study/round2/gpu/
+    python -m mixture_of_depths.studies.gpu --budgets 1e16 --out /tmp/gpu
 
 Rows are written in the study's format (`results.jsonl`, one per run, resumable: finished runs are
 skipped) and the round-2 report (`docs/study/round2/report.md`) includes them as its GPU section
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from mixture_of_depths.fileio import json_text
-from mixture_of_depths.study import RunSpec, StudySettings, _budget_tag, load_results, run_one
-from mixture_of_depths.study_round2 import DENSE, FULL, MOD, OUT, WARMUP, mod_arm, write_report
+from ..fileio import json_text
+from .round2 import DENSE, FOLDERS, FULL, MOD, WARMUP, mod_arm, write_report
+from .runner import Folders, RunSpec, StudySettings, budget_tag, load_results, run_one
 
+GPU_FOLDERS = Folders(out=f"{FOLDERS.out}/gpu", work="runs/gpu-study")  # the report reads out
 SIZES = (
     ("GPU-S", dict(d_model=384, n_layers=8, n_heads=6)),
     ("GPU-M", dict(d_model=512, n_layers=8, n_heads=8)),
@@ -38,8 +39,8 @@ SIZES = (
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="1e16,3e16", help="training FLOPs, comma-separated")
-    ap.add_argument("--out", default=f"{OUT}/gpu", help="results folder")
-    ap.add_argument("--work", default="runs/gpu-study", help="run folders (deleted per run)")
+    ap.add_argument("--out", default=GPU_FOLDERS.out, help="results folder")
+    ap.add_argument("--work", default=GPU_FOLDERS.work, help="run folders (deleted per run)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--data", default=None)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"gpu": False, "torch": torch.__version__}))
         return 0
     budgets = tuple(float(b) for b in args.budgets.split(","))
-    cpu_results = load_results(Path(OUT) / "results.jsonl")
+    cpu_results = load_results(Path(FOLDERS.out) / "results.jsonl")
     arm = mod_arm(cpu_results)
     if arm is None:  # the library's defaults
         label, over, warmup = "defaults (predictor, 10% warm-up)", {"causal_router": "predictor",
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for size, shape in SIZES:
             for arch, arch_over in (("dense", DENSE), ("MoD", {**MOD, **over})):
                 spec = RunSpec(
-                    name=f"gpu-{_budget_tag(budget)}-{arch}-{size}-s0",
+                    name=f"gpu-{budget_tag(budget)}-{arch}-{size}-s0",
                     group="isoflop",
                     label=f"{arch} {size}",
                     budget=budget,
@@ -91,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['tokens_per_s']:,.0f} tok/s, {row['wall_s']:.0f} s"
                 )
     rows = load_results(path)
-    if out.resolve() == (Path(OUT) / "gpu").resolve():  # the report reads its GPU section there
-        write_report(cpu_results, Path(OUT), FULL)
+    if out.resolve() == Path(GPU_FOLDERS.out).resolve():  # the report reads its GPU section there
+        write_report(cpu_results, Path(FOLDERS.out), FULL)
     else:
-        print(f"results in {path}; the round-2 report reads {OUT}/gpu/results.jsonl")
+        print(f"results in {path}; the round-2 report reads {GPU_FOLDERS.out}/results.jsonl")
     print(json.dumps({"gpu": True, "runs": len(rows), "wall_s": time.perf_counter() - t0,
                       "out": str(path)}))  # fmt: skip
     return 0

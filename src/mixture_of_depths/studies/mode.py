@@ -15,7 +15,7 @@ capacity's share. No run is charged less than it can spend, so no variant buys s
 compute it might not save; integrated MoDE without a capacity is charged as MoE is (its no-op
 savings are learned, not guaranteed), and the variant with capacity 0.5 is charged exactly what
 the dropping baseline is. What each run actually spent (from the shares it logged) is reported
-beside it. Runs, resumption and the report machinery are `study.py`'s.
+beside it. Runs and resumption are `runner.study`'s.
 """
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .fileio import atomic_write_text, json_text
-from .study import (
+from ..fileio import atomic_write_text, json_text
+from .plots import plot_vs_dense
+from .runner import (
     AUX_ROUTING,
+    Folders,
     Plan,
     RunSpec,
     StudySettings,
-    _budget_tag,
-    _mean_seeds,
-    _seed_gaps,
-    plot_vs_dense,
+    budget_tag,
+    mean_seeds,
     second_seed,
+    seed_gaps,
 )
 
 EXPERTS = dict(n_experts=4, experts_per_token=1)
@@ -84,7 +85,7 @@ def plan(settings: StudySettings) -> list[RunSpec]:
     size, shape = settings.sizes[0]
     return [
         RunSpec(
-            name=f"{_budget_tag(budget)}-{tag}-{size}-s0",
+            name=f"{budget_tag(budget)}-{tag}-{size}-s0",
             group="isoflop",
             label=label,
             budget=budget,
@@ -132,8 +133,8 @@ def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"budgets": []}
     for budget in sorted({r["budget"] for r in results}):
         rows = [r for r in results if r["budget"] == budget]
-        loss = _mean_seeds([{**r, "judged": judged_loss(r)} for r in rows], "judged")
-        gaps = _seed_gaps(rows)
+        loss = mean_seeds([{**r, "judged": judged_loss(r)} for r in rows], "judged")
+        gaps = seed_gaps(rows)
         spread = max(gaps.values()) if gaps else None
         claims = []
         for text, contenders, base in CLAIMS:
@@ -259,7 +260,6 @@ PLAN = Plan(  # the module's globals are read at call time (tests cut the plan d
     settings=lambda quick: QUICK if quick else FULL,
     runs=lambda settings: plan(settings),
     report=lambda results, out, settings: write_report(results, out, settings),
-    out="docs/study/mode",
-    work="runs/study-mode",
+    folders=Folders(out="docs/study/mode", work="runs/study-mode"),
     seeds=lambda results, budget, settings: seed_specs(results, budget),
 )

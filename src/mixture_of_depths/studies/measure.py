@@ -1,0 +1,90 @@
+"""Measurements of trained models, shared by the studies that time them (`kv`, `convert`): the
+KV bytes a decode's cache held, the prefill calibration, and decode speed side by side.
+
+Decode is timed on the CPU with one thread, a held-out prompt of half the sequence and up to
+`DECODE_NEW` greedy tokens, the median of `DECODE_ROUNDS` interleaved rounds; only the decode
+steps are timed (`bench.decode.decode_run`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..bench.decode import decode_run
+from ..data import eval_batches, load_splits, load_tokenizer
+from ..generate import prefill_calibration
+from ..runtime.checkpoint import load_model
+
+DECODE_NEW = 128
+DECODE_BATCHES = (1, 8)
+DECODE_ROUNDS = 15
+
+
+def val_tokens(ckpt: Path, data: str | None) -> torch.Tensor:
+    """The held-out split of `data`, in the tokens of the model saved in `ckpt`."""
+    return load_splits(data, load_tokenizer(ckpt))[1]
+
+
+def prompts(val: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, int]:
+    """Held-out prompts of half the sequence (as many rows as the largest batch), and the
+    decode steps that fit after them."""
+    prompt_len = seq_len // 2
+    rows = eval_batches(val, max(DECODE_BATCHES), prompt_len, 1)[0][0]
+    return rows, min(DECODE_NEW, seq_len - prompt_len)
+
+
+def measure_run(ckpt: Path, seq_len: int, data: str | None) -> dict[str, Any]:
+    """The KV bytes per token the cache held in a greedy decode at batch 8 (had it been bf16),
+    the take-rates of that decode, and the prefill calibration of the model saved in `ckpt`."""
+    model, cfg = load_model(ckpt)
+    model.eval()
+    val = val_tokens(ckpt, data)
+    rows, new = prompts(val, seq_len)
+    run = decode_run(model, rows, new, lambda: None)
+    kv_entry = 2 * cfg.n_kv_heads * cfg.head_dim  # elements a token stores in one layer
+    out: dict[str, Any] = {
+        "kv_bytes_per_token_measured": 2 * kv_entry * sum(run["cached_share"]),
+        "take_decode": run["take_decode"],
+    }
+    if not cfg.is_dense:
+        idx = eval_batches(val, 8, seq_len, 1)[0][0]
+        out.update(prefill_calibration(model, idx, seq_len // 2))
+    return out
+
+
+def decode_speeds(
+    ckpts: dict[str, Path], seq_len: int, data: str | None
+) -> dict[str, dict[str, float]]:
+    """Decode tokens/s at batch 1 and 8 of the models of one cell (one budget and length),
+    measured side by side: every round decodes once with each model, in an order that rotates
+    every round, so drift and stray load hit all alike; the median over `DECODE_ROUNDS` rounds
+    after a warm-up, and the spread (interquartile range / median). CPU, one thread; only the decode
+    steps are timed (`bench.decode.decode_run`)."""
+    models = {name: load_model(c)[0].eval() for name, c in ckpts.items()}
+    rows, new = prompts(val_tokens(next(iter(ckpts.values())), data), seq_len)
+    names = list(models)
+    secs: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in DECODE_BATCHES}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # decode ops are too small to share between threads
+    try:
+        for b in DECODE_BATCHES:
+            for rnd in range(DECODE_ROUNDS + 1):
+                k = rnd % len(names)
+                for name in names[k:] + names[:k]:
+                    took = decode_run(models[name], rows[:b], new, lambda: None)["seconds"]
+                    if rnd:  # round 0 warms up
+                        secs[name, b].append(took)
+    finally:
+        torch.set_num_threads(threads)
+    out: dict[str, dict[str, float]] = {n: {} for n in names}
+    for (name, b), ts in secs.items():
+        med = statistics.median(ts)
+        q1, _, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (med, med, med)
+        out[name][f"decode_tok_s_b{b}"] = b * new / med
+        # the interquartile range: robust to the odd round a shared machine stalls
+        out[name][f"decode_spread_b{b}"] = (q3 - q1) / med
+    return out

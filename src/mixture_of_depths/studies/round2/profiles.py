@@ -1,0 +1,93 @@
+"""Profiles of a trained round-2 model, taken from its checkpoint before the run folder is
+deleted: where its routed compute goes (`routing_profile`) and its loss by place in the context
+(`position_profile`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...data import eval_batches, load_splits, load_tokenizer
+from ...inspect import analyse
+from ...runtime.checkpoint import load_model
+
+
+def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
+    """Where a trained model's compute goes on held-out text (`inspect.analyse`): the histogram
+    of routed blocks taken per token against independent coins, the share of each router's takes
+    that went to tokens containing a newline (and their share of the text), and Spearman's rho
+    of blocks taken against the predictive entropy."""
+    model, cfg = load_model(ckpt)
+    tokenizer = load_tokenizer(ckpt)
+    val = load_splits(data, tokenizer)[1]
+    tokens = eval_batches(val, rows, cfg.max_seq_len, 1)[0][0]
+    rep = analyse(model, tokens, bootstrap=200)
+    newline = torch.tensor(["\n" in tokenizer.decode([int(t)]) for t in rep.tokens.tolist()])
+    takes = rep.taken.double()
+    T = tokens.shape[1]
+    k = cfg.capacity_tokens(T)
+    early = (torch.arange(len(rep.tokens)) % T < k).double()  # the first k places of each row
+    per_token = takes.sum(1)
+    ids, inverse = torch.unique(rep.tokens, return_inverse=True)
+    by_id = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, per_token)
+    top = by_id.argsort(descending=True)[:8]
+    return {
+        # a router that takes the first k places of each row is trivially causal (1: all of
+        # its takes there; k/T, 12.5%, if position does not matter)
+        "takes_in_first_k_places": {
+            nm: float((takes[:, j] * early).sum() / takes[:, j].sum().clamp_min(1))
+            for j, nm in enumerate(rep.router_names)
+        },
+        "top_taken_tokens": [
+            [tokenizer.decode([int(ids[i])]), float(by_id[i] / per_token.sum().clamp_min(1))]
+            for i in top.tolist()
+            if by_id[i] > 0
+        ],
+        "tokens": len(rep.tokens),
+        "depth_hist": rep.depth_hist.tolist(),
+        "independent_hist": rep.independent_hist.tolist(),
+        "newline_share_of_text": float(newline.double().mean()),
+        "newline_share_of_takes": {
+            nm: float(takes[newline, j].sum() / takes[:, j].sum().clamp_min(1))
+            for j, nm in enumerate(rep.router_names)
+        },
+        "rho_depth_entropy": rep.correlations["depth_vs_entropy"],
+    }
+
+
+def position_buckets(seq_len: int) -> list[int]:
+    """Edges of the context's places: [0, T/64, T/16, T/4, T] (the first places, whose tokens see
+    almost no context, up to the last three quarters), without empty buckets."""
+    inner = {seq_len // d for d in (64, 16, 4)} - {0, seq_len}
+    return [0, *sorted(inner), seq_len]
+
+
+def position_profile(
+    ckpt: Path, data: str | None, batch_size: int, seq_len: int, n_batches: int
+) -> dict[str, Any]:
+    """A trained model's held-out loss (causal routing) by place in the context, on the batches
+    training validated on: the mean over the places in each of `position_buckets`. Loss that
+    falls with the place is what the model learns from its context (repeats, copying). On the
+    CPU in float32, as the study trains, the place-weighted mean of the buckets is the run's
+    causal validation loss (the trainer autocasts on a GPU; this runs in float32 on the CPU),
+    except under random routing, which draws its decisions anew."""
+    model, _ = load_model(ckpt)
+    model.eval()
+    val = load_splits(data, load_tokenizer(ckpt))[1]
+    sums = torch.zeros(seq_len, dtype=torch.float64)
+    rows = 0
+    with torch.no_grad():
+        for x, y in eval_batches(val, batch_size, seq_len, n_batches):
+            logits = model(x, routing="causal").logits.float()
+            nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+            sums += nll.view_as(y).double().sum(0)
+            rows += len(x)
+    per_place = sums / rows
+    edges = position_buckets(seq_len)
+    return {
+        "edges": edges,
+        "loss": [float(per_place[a:b].mean()) for a, b in zip(edges, edges[1:], strict=False)],
+    }

@@ -1,0 +1,342 @@
+"""The machinery every study shares: a run's spec, training it to its FLOP budget, and the
+resumable loop over a plan's runs.
+
+A `Plan` names its settings (full or quick), its runs, its report and its default `Folders`.
+`study(plan)` trains each planned run for exactly as many steps as its budget buys, counted by
+`estimate_flops(...).train` (`steps_for_budget`). Every finished run is appended to
+``<out>/results.jsonl``; each run trains in its own folder under ``<work>`` with checkpoints, so
+an interrupted study resumes where it stopped: finished runs are skipped, an unfinished one
+continues from its last checkpoint. The report is rewritten from the results after every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..config import MoDConfig
+from ..data import corpus_files, make_tokenizer, split_files
+from ..fileio import json_text
+from ..flops import estimate_flops
+from ..train import TrainConfig, has_checkpoint, train
+from ..train.tune import capacity_at, warmup_steps
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    budgets: tuple[float, ...]
+    sizes: tuple[tuple[str, dict[str, Any]], ...]  # (label, MoDConfig overrides)
+    seq_len: int
+    batch_size: int
+    eval_every_runs: int  # evaluations per run (the last one at the end)
+    eval_batches: int
+    base: dict[str, Any]
+    ablation_size: str  # the size label the ablations vary
+    # size labels to leave out at a budget: (budget, labels), for sizes far from its optimum
+    skip: tuple[tuple[float, tuple[str, ...]], ...] = ()
+    tokenizer: str = "byte"  # "bpe": trained once on the training split and cached
+
+    def sizes_at(self, budget: float) -> tuple[tuple[str, dict[str, Any]], ...]:
+        left_out = {lab for b, labs in self.skip if b == budget for lab in labs}
+        return tuple(sz for sz in self.sizes if sz[0] not in left_out)
+
+
+# The routing these studies ran with (the library's defaults when they ran), pinned so that a
+# rerun reproduces them whatever the defaults become.
+AUX_ROUTING = dict(causal_router="aux_loss", router_gate="sigmoid", aux_loss_weight=0.1)
+
+# Rows written before the predictor became the default (docs/study/round2) may name no causal
+# router: those models trained with the aux loss at 0.1, and are rebuilt so.
+LEGACY_ROUTING = dict(causal_router="aux_loss", aux_loss_weight=0.1)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    group: str  # "isoflop", "ablation" or "seed"
+    label: str
+    budget: float
+    model: dict[str, Any]
+    seed: int = 0
+    # the run's own sequence length and batch size (None: the settings')
+    seq_len: int | None = None
+    batch_size: int | None = None
+    evaluations: int | None = None  # evaluations in the run (None: the settings')
+    # a capacity warm-up over this share of the run's steps (from 1.0 down to the capacity);
+    # its extra FLOPs are charged to the budget
+    capacity_warmup: float = 0.0
+
+
+@dataclass(frozen=True)
+class Folders:
+    """A study's default folders: its results (committed) and its runs' checkpoints. Where
+    `quick_apart`, a ``--quick`` smoke run writes beside them (``<folder>-quick``), so it never
+    touches the committed results."""
+
+    out: str
+    work: str
+    quick_apart: bool = False
+
+    def out_for(self, quick: bool) -> str:
+        return self.out + ("-quick" if quick and self.quick_apart else "")
+
+    def work_for(self, quick: bool) -> str:
+        return self.work + ("-quick" if quick and self.quick_apart else "")
+
+
+def budget_tag(b: float) -> str:
+    """A budget as it appears in run names: 1.5e13 -> "1.5e13", 5e12 -> "5e12"."""
+    return f"{b:.2g}".replace("+", "")
+
+
+def second_seed(r: dict[str, Any]) -> RunSpec:
+    """The run of result row `r` (a seed-0 run) again, with seed 1."""
+    return RunSpec(
+        name=r["name"][: -len("-s0")] + "-s1",
+        group="seed",
+        label=r["label"],
+        budget=r["budget"],
+        model=r["model"],
+        seed=1,
+        seq_len=r.get("seq_len"),
+        batch_size=r.get("batch_size"),
+    )
+
+
+def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
+    """Second seeds for the two best isoFLOP runs of a budget (by the honest, causal loss)."""
+    runs = [r for r in results if r["group"] == "isoflop" and r["budget"] == budget]
+    return [second_seed(r) for r in sorted(runs, key=lambda r: r["val_loss_causal"])[:2]]
+
+
+def mean_seeds(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Per label, the mean of `key` over its seeds."""
+    by_label: dict[str, list[float]] = {}
+    for r in rows:
+        by_label.setdefault(r["label"], []).append(r[key])
+    return {lab: sum(v) / len(v) for lab, v in by_label.items()}
+
+
+def seed_gaps(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """|seed 0 - seed 1| of the causal loss, per label that has both seeds."""
+    by_label: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by_label.setdefault(r["label"], {})[r["seed"]] = r["val_loss_causal"]
+    return {lab: abs(s[0] - s[1]) for lab, s in by_label.items() if 0 in s and 1 in s}
+
+
+def run_one(
+    spec: RunSpec, settings: StudySettings, work: Path, data: str | None, progress: bool = False
+) -> dict:
+    """Train `spec` to its budget in ``<work>/<name>`` (resuming from its checkpoint if it has
+    one) and return its result row."""
+    model = dict(spec.model)
+    if settings.tokenizer != "byte" and "vocab_size" not in model:
+        # The model's vocabulary is the tokenizer's (training sets it): count its FLOPs.
+        train_files, _ = split_files(corpus_files(data))
+        model["vocab_size"] = make_tokenizer(settings.tokenizer, train_files).vocab_size
+        spec = dataclasses.replace(spec, model=model)
+    cfg = MoDConfig(**spec.model)
+    seq_len = settings.seq_len if spec.seq_len is None else spec.seq_len
+    batch_size = settings.batch_size if spec.batch_size is None else spec.batch_size
+    steps, warmup, spent = steps_for_budget(
+        cfg, seq_len, batch_size, spec.budget, spec.capacity_warmup
+    )
+    evals = settings.eval_every_runs if spec.evaluations is None else spec.evaluations
+    out = work / spec.name
+    log_every = max(1, min(10, steps))
+    tc = TrainConfig(
+        out=str(out),
+        data=data,
+        tokenizer=settings.tokenizer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        steps=steps,
+        capacity_warmup=warmup,
+        capacity_warmup_ratio=0.0,  # the spec's warm-up, in steps, or none
+        warmup_steps=max(1, min(50, steps // 10)),
+        eval_every=max(1, steps // evals),
+        # Checkpoints between the (few) evaluations, so a study killed mid-run loses at most a
+        # twentieth of that run; at log steps, so that every checkpoint has its line in the log.
+        checkpoint_every=max(log_every, steps // 20 // log_every * log_every),
+        eval_batches=settings.eval_batches,
+        log_every=log_every,
+        seed=spec.seed,
+    )
+    resume = has_checkpoint(out)  # .checkpoint.old counts: a kill between a write's renames
+    t0 = time.perf_counter()
+    summary = train(
+        None if resume else cfg, tc, resume=resume, overwrite=not resume, progress=progress
+    )
+    return _result_row(spec, cfg, tc, summary, spent, t0)
+
+
+def _result_row(
+    spec: RunSpec,
+    cfg: MoDConfig,
+    tc: TrainConfig,
+    summary: dict[str, Any],
+    spent: float,
+    t0: float,
+) -> dict[str, Any]:
+    """The results.jsonl row of a run that finished training; `t0`: when it started."""
+    per_step = estimate_flops(cfg, tc.seq_len, tc.batch_size, with_dense=False)
+    acc = summary["routing_accuracy"]
+    # The routing as built, not left to defaults that may change (see LEGACY_ROUTING).
+    routing = dict(causal_router=cfg.causal_router, aux_loss_weight=cfg.aux_loss_weight)
+    row = {
+        **dataclasses.asdict(dataclasses.replace(spec, model={**spec.model, **routing})),
+        "steps": tc.steps,
+        "tokens": summary["tokens"],
+        "params": summary["params"],
+        "flops_budget_used": spent,
+        "flops_per_forward_token": per_step.forward_per_token,
+        "val_loss_topk": summary["val_loss_topk"],
+        "val_loss_causal": summary["val_loss_causal"],
+        "routing_accuracy": acc,
+        "routing_accuracy_mean": sum(acc.values()) / len(acc) if acc else None,
+        "causal_take_rate": summary["causal_take_rate"],
+        "train_time_s": summary["train_time_s"],
+        "tokens_per_s": summary["tokens"] / max(summary["train_time_s"], 1e-9),
+        "wall_s": time.perf_counter() - t0,
+    }
+    if cfg.has_experts:
+        # The budget charged the bound (every slot a real expert, or the capacity's share);
+        # these are what the run actually spent, from the shares it logged in training.
+        ran = summary["train_expert_share"]
+        shares = [ran.get(str(i), 0.0) for i in range(cfg.n_layers)]
+        used = estimate_flops(cfg, tc.seq_len, tc.batch_size, with_dense=False, expert_share=shares)
+        row["train_expert_share"] = ran
+        row["expert_take_rate"] = summary.get("expert_take_rate", {})
+        row["flops_per_forward_token_spent"] = used.forward_per_token
+        row["flops_spent"] = tc.steps * used.train
+    return row
+
+
+def steps_for_budget(
+    cfg: MoDConfig, seq_len: int, batch_size: int, budget: float, warmup_share: float = 0.0
+) -> tuple[int, int, float]:
+    """(steps, warm-up steps, training FLOPs spent): the most steps whose training FLOPs fit in
+    `budget`, with the capacity warmed up from 1.0 over `warmup_share` of them (each warm-up
+    step charged at its own capacity, `tune.capacity_at`)."""
+    per_step = estimate_flops(cfg, seq_len, batch_size, with_dense=False).train
+    plain = max(1, math.floor(budget / per_step))
+    if warmup_share <= 0 or cfg.is_dense:
+        return plain, 0, plain * per_step
+    cost_at: dict[float, float] = {}
+
+    def cost(steps: int) -> tuple[int, float]:
+        w = warmup_steps(warmup_share, steps)
+        total = 0.0
+        for s in range(min(w, steps)):
+            c = capacity_at(s, cfg.capacity, w)
+            if c not in cost_at:
+                cost_at[c] = estimate_flops(
+                    dataclasses.replace(cfg, capacity=c), seq_len, batch_size, with_dense=False
+                ).train
+            total += cost_at[c]
+        return w, total + max(0, steps - w) * per_step
+
+    lo, hi = 1, plain  # warm-up steps cost more: the answer is at most `plain`
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid)[1] <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    w, spent = cost(lo)
+    return lo, w, spent
+
+
+def load_results(path: Path) -> list[dict[str, Any]]:
+    """The rows of a results (or metrics) file, [] if there is none; a line cut short by a crash
+    is skipped, and a row from before the predictor default gets the routing it trained with."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        model = row.get("model") if isinstance(row, dict) else None
+        if isinstance(model, dict) and "causal_router" not in model:
+            row["model"] = {**LEGACY_ROUTING, **model}
+        rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A study: its settings (full or quick), its runs, its report, and its default folders (the
+    results, committed; the runs' checkpoints, deleted per run)."""
+
+    name: str
+    settings: Callable[[bool], StudySettings]  # quick -> settings
+    runs: Callable[[StudySettings], list[RunSpec]]
+    report: Callable[[list[dict[str, Any]], Path, StudySettings], None]
+    folders: Folders
+    # the second seeds of a budget once its grid is done: (results, budget, settings) -> runs
+    seeds: Callable[[list[dict[str, Any]], float, StudySettings], list[RunSpec]] = lambda r, b, s: (
+        seed_specs(r, b)
+    )
+    # after the runs, measurements of the trained models (results, out, work, data); their
+    # checkpoints are kept for it
+    finish: Callable[[list[dict[str, Any]], Path, Path, str | None], None] | None = None
+
+
+def study(
+    plan: Plan,
+    out: str | Path | None = None,
+    work: str | Path | None = None,
+    quick: bool = False,
+    data: str | None = None,
+    keep_checkpoints: bool = False,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Run (or resume) `plan` (e.g. `isoflop.ISOFLOP`, `mode.PLAN`, `kv.PLAN`); returns all
+    results and writes the report and plots. `out` / `work` default to the plan's folders."""
+    settings = plan.settings(quick)
+    out = Path(plan.folders.out_for(quick) if out is None else out)
+    work = Path(plan.folders.work_for(quick) if work is None else work)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    results = load_results(results_path)
+    done = {r["name"] for r in results}
+    specs = plan.runs(settings)
+    n_total = len(specs) + 2 * len(settings.budgets)
+    bar = tqdm(total=n_total, initial=len(done), desc="study", unit="run", disable=not progress)
+    pending = list(specs)
+    seeded: set[float] = set()
+    while pending:
+        spec = pending.pop(0)
+        if spec.name not in done:
+            bar.set_postfix_str(spec.name)
+            row = run_one(spec, settings, work, data, progress)
+            with results_path.open("a") as fh:
+                fh.write(json_text(row) + "\n")
+            results.append(row)
+            done.add(spec.name)
+            bar.update(1)
+            plan.report(results, out, settings)
+            if not keep_checkpoints and plan.finish is None:
+                shutil.rmtree(work / spec.name, ignore_errors=True)
+        for budget in settings.budgets:  # a budget's isoFLOP runs done: plan its second seeds
+            grid = [s for s in specs if s.group == "isoflop" and s.budget == budget]
+            if budget not in seeded and all(s.name in done for s in grid):
+                seeded.add(budget)
+                pending.extend(plan.seeds(results, budget, settings))
+    bar.close()
+    if plan.finish is not None:
+        plan.finish(results, out, work, data)
+    plan.report(results, out, settings)
+    return results

@@ -1,0 +1,79 @@
+"""`mod study --plan round2 --workers N`: N processes of the second round, each claiming its own
+runs (`round2.run`), with the cores split between them: small models use one thread better than
+two. Each worker prints a line per run it finishes; a bar per process would garble the terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def usable_cores() -> int:
+    """The cores this process may use (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def launch(
+    workers: int,
+    out: str | None,
+    work: str | None,
+    data: str | None,
+    max_runs: int | None,
+    quick: bool,
+    report_dir: str,
+) -> int:
+    """Run `workers` processes of ``mod study --plan round2`` on the same folders (`out`, `work`:
+    None for the defaults) and wait for them all; the exit status is the first failure's, else
+    0. `report_dir` is where they write, for the messages."""
+    cores = usable_cores()
+    if workers > cores:
+        raise ValueError(f"--workers must be at most the {cores} cores here, got {workers}")
+    threads = max(1, cores // workers)
+    cmd = [sys.executable, "-m", "mixture_of_depths", "study", "--plan", "round2", "--no-progress"]
+    for flag, value in (("--out", out), ("--work", work), ("--data", data),
+                        ("--max-runs", max_runs)):  # fmt: skip
+        if value is not None:
+            cmd += [flag, str(value)]
+    if quick:
+        cmd.append("--quick")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    print(f"{workers} workers, {threads} thread(s) each; results in {report_dir}/results.jsonl",
+          flush=True)  # fmt: skip
+    procs = [subprocess.Popen([*cmd, "--worker-index", str(i)], env=env) for i in range(workers)]
+    codes = _wait_all(procs)
+    bad = [c for c in codes if c != 0]
+    if bad:
+        print(f"mod study: {len(bad)} of {workers} workers failed (exit {bad[0]})",
+              file=sys.stderr)  # fmt: skip
+        return bad[0]
+    print(f"report: {report_dir}/report.md")
+    return 0
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
+    """The exit codes of `procs`. A kill (SIGTERM) of this process stops them too; on an
+    interrupt, each gets a moment to stop on the Ctrl-C a terminal sent it as well, then one
+    of its own."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        return [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:  # a terminal's Ctrl-C reached them too; a kill did not
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
