@@ -157,3 +157,24 @@ def test_modules_and_functions_keep_their_budgets():
                     long_functions.append(f"{where}:{fn.lineno} {fn.name} {n}")
     assert not long_modules, long_modules
     assert not long_functions, long_functions
+
+
+def _layout_entries() -> set[str]:
+    """The module paths docs/layout.md lists: its tree's entries, each under its package."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    tree = text.split("## Module by module", 1)[1].split("```")[1]
+    entries, package = set(), ""
+    for line in tree.splitlines():
+        if line and not line.startswith(" "):  # a heading: "runtime/   ...", "the library"
+            first = line.split()[0]
+            package = first if first.endswith("/") else ""
+        elif line.strip().split(" ")[0].endswith(".py"):
+            entries.add(package + line.split()[0])
+    return entries
+
+
+def test_the_layout_page_lists_every_module():
+    modules = {str(p.relative_to(SRC / PKG)) for p in _modules().values()}
+    listed = _layout_entries()
+    assert modules - listed == set(), "modules missing from docs/layout.md"
+    assert listed - modules == set(), "docs/layout.md lists modules that do not exist"
