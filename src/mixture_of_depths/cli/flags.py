@@ -21,6 +21,16 @@ def field_type(annotation: Any) -> Any:
     return annotation
 
 
+def add_preset_flag(parser: argparse.ArgumentParser) -> None:
+    """--preset: the model preset the model flags override."""
+    parser.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help=f"model preset (default: {DEFAULT_PRESET})",
+    )
+
+
 def add_dataclass_flags(
     parser: argparse.ArgumentParser,
     cls: type,

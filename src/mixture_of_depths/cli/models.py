@@ -13,7 +13,7 @@ from ..fileio import json_text
 from ..flops import estimate_flops, format_report
 from ..model import MoDTransformer
 from ..runtime.checkpoint import load_config
-from .flags import DEFAULT_PRESET, add_dataclass_flags, given
+from .flags import DEFAULT_PRESET, add_dataclass_flags, add_preset_flag, given
 
 
 def add_flops(sub: Any, name: str) -> None:
@@ -23,12 +23,7 @@ def add_flops(sub: Any, name: str) -> None:
         description="Analytic FLOPs of a model (training, top-k forward, decode) per layer, "
         "counted the way torch's FlopCounterMode counts them, beside its dense twin.",
     )
-    p.add_argument(
-        "--preset",
-        default=None,
-        choices=sorted(PRESETS),
-        help=f"model preset (default: {DEFAULT_PRESET})",
-    )
+    add_preset_flag(p)
     p.add_argument("--checkpoint", default=None, help="take the model config from a checkpoint")
     p.add_argument("--seq-len", type=int, default=None, help="(default: the model's max_seq_len)")
     p.add_argument("--batch-size", type=int, default=1)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import PRESETS, MoDConfig
+from ..config import MoDConfig
 from ..fileio import json_text
 from ..runtime.distributed import env_from_torchrun, restarted
 from ..train import (
@@ -18,7 +18,7 @@ from ..train import (
     resume_config,
     train,
 )
-from .flags import DEFAULT_PRESET, add_dataclass_flags, given
+from .flags import DEFAULT_PRESET, add_dataclass_flags, add_preset_flag, given
 
 
 def add_train(sub: Any, name: str) -> None:
@@ -28,12 +28,7 @@ def add_train(sub: Any, name: str) -> None:
         description="Train a MoD (or dense) language model. Model flags override the preset; "
         "with --resume the model comes from the checkpoint in --out.",
     )
-    p.add_argument(
-        "--preset",
-        default=None,
-        choices=sorted(PRESETS),
-        help=f"model preset (default: {DEFAULT_PRESET})",
-    )
+    add_preset_flag(p)
     p.add_argument(
         "--resume",
         action="store_true",
