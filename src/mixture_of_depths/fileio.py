@@ -6,6 +6,7 @@ one, never a mixture, and nothing is ever unpickled.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 
@@ -40,20 +42,44 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class DiskFullError(OSError):
+    """A file could not be written because its filesystem is full (ENOSPC, or a quota)."""
+
+    def __init__(self, path: Path, detail: str = "") -> None:
+        super().__init__(f"could not write {path}: the disk is full (ENOSPC){detail}")
+        self.errno = errno.ENOSPC
+        self.path = Path(path)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` says the disk is full: an OSError, or safetensors' Rust writer's
+    ``SafetensorError("... No space left on device (os error 28)")``, which is no OSError."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, SafetensorError) and any(
+        f"(os error {n})" in str(exc) for n in (errno.ENOSPC, errno.EDQUOT)
+    )
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """`write(tmp)` into a temp file beside `path`, fsync it, then rename it over `path`."""
+    """`write(tmp)` into a temp file beside `path`, fsync it, then rename it over `path`.
+    A full disk is a `DiskFullError` naming `path` (the old file, if any, stays)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
         write(tmp)
         with open(tmp, "rb+") as f:  # on disk before the rename makes it visible
             os.fsync(f.fileno())
         os.chmod(tmp, umask_mode())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            raise DiskFullError(path) from exc
         raise
 
 

@@ -392,6 +392,83 @@ def test_written_json_is_strict(corpus, tmp_path, capsys):
     json.loads((out / "summary.json").read_text(), parse_constant=pytest.fail)
 
 
+@pytest.fixture()
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs to fill, so that the writers raise what a full disk really makes them raise
+    (safetensors: a Rust SafetensorError, no OSError); mounting one needs root."""
+    d = tmp_path / "small"
+    d.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(d)]
+    if os.geteuid() != 0 or not shutil.which("mount") or subprocess.run(mount).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def _fill(d: Path, leave: int) -> None:
+    """Fill the filesystem of `d`, then free `leave` bytes of it."""
+    with open(d / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    size = (d / "filler").stat().st_size
+    os.truncate(d / "filler", max(0, size - leave))
+
+
+def test_a_full_disk_during_a_checkpoint_write_names_the_file_and_the_kept_step(small_disk):
+    cfg = MoDConfig(**TINY)
+    model = MoDTransformer(cfg)
+    ck = save_checkpoint(small_disk / "checkpoint", model, cfg, trainer_state={"step": 3})
+    before = _digest(ck)
+    _fill(small_disk, leave=8192)  # config.json fits, model.safetensors does not
+    from mixture_of_depths.fileio import DiskFullError
+
+    with pytest.raises(DiskFullError) as info:
+        save_checkpoint(ck, model, cfg, trainer_state={"step": 6})
+    assert str(info.value) == (
+        f"could not write {ck / 'model.safetensors'}: the disk is full (ENOSPC); "
+        f"the previous checkpoint {ck} (step 3) is intact"
+    )
+    causes, exc = [], info.value
+    while exc is not None:
+        causes, exc = [*causes, type(exc).__name__], exc.__cause__
+    assert causes[-1] == "SafetensorError"  # what the library raised: recognised
+    assert _digest(ck) == before and stale_temps(small_disk) == []
+
+
+def test_a_full_disk_in_mod_train_is_one_line(corpus, tmp_path, capsys, monkeypatch):
+    """What safetensors raises on ENOSPC (the test above sees it on a real full disk), raised by
+    the writer of the second checkpoint of a `mod train`: one line, not a traceback."""
+    from safetensors import SafetensorError
+
+    import mixture_of_depths.fileio as fileio
+
+    out = tmp_path / "run"
+    real = fileio.save_file
+
+    def save_file(tensors, tmp, metadata=None):  # noqa: ANN001, ANN202
+        if (out / "checkpoint").exists() and Path(tmp).name.startswith(".model.safetensors."):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                                  "(os error 28)")  # fmt: skip
+        return real(tensors, tmp, metadata)
+
+    monkeypatch.setattr(fileio, "save_file", save_file)
+    args = ["train", *RUN_ARGS, "--steps", "8", "--data", str(corpus), "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    ck = out / "checkpoint"
+    assert err == [
+        f"mod train: error: could not write {ck / 'model.safetensors'}: the disk is full "
+        f"(ENOSPC); the previous checkpoint {ck} (step 4) is intact"
+    ]
+    assert trainer_step(out) == 4 and stale_temps(out) == []
+
+
 # -- resume rules ---------------------------------------------------------------------------------
 def test_resume_refuses_fewer_steps_than_the_checkpoint(corpus, tmp_path):
     out = tmp_path / "run"

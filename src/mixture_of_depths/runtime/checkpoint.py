@@ -35,8 +35,10 @@ from torch import nn
 
 from ..config import MoDConfig
 from ..fileio import (
+    DiskFullError,
     atomic_save_tensors,
     fsync_dir,
+    is_disk_full,
     read_json,
     remove_temps,
     umask_mode,
@@ -194,10 +196,27 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save(tmp)
         _place(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):  # one line naming the file and what survived, not a traceback
+            where = exc.path if isinstance(exc, DiskFullError) else tmp
+            name = final / where.relative_to(tmp) if where.is_relative_to(tmp) else where
+            raise DiskFullError(name, f"; {previous_checkpoint(final)}") from exc
         raise
     return final
+
+
+def previous_checkpoint(final: Path) -> str:
+    """What a failed write of checkpoint `final` left: the checkpoint before it, with its step."""
+    try:
+        d = resolve_checkpoint(final)
+    except FileNotFoundError:
+        return f"no earlier checkpoint was in {final}"
+    try:
+        step = f" (step {read_json(d / 'trainer.json')['step']})"
+    except (OSError, ValueError, KeyError, TypeError):  # a weights-only checkpoint has no step
+        step = ""
+    return f"the previous checkpoint {d}{step} is intact"
 
 
 def save_sharded_checkpoint(
