@@ -29,6 +29,9 @@ def test_diagnostics_are_the_statistics_of_the_routes(routing):
         assert got == pytest.approx(want.tolist(), rel=1e-12, abs=1e-15)
         chosen = torch.sigmoid(r[t.mask])
         assert row["gate_chosen_mean"] == pytest.approx(float(chosen.mean()), rel=1e-12)
+        want = np.percentile(chosen.numpy(), [10, 50, 90])
+        got = [row["gate_chosen_p10"], row["gate_chosen_p50"], row["gate_chosen_p90"]]
+        assert got == pytest.approx(want.tolist(), rel=1e-12)
         boundary = sorted(r[0].tolist(), reverse=True)[k - 1]  # row 0's k-th largest weight
         rows = [sorted(r[b].tolist(), reverse=True)[k - 1] for b in range(3)]
         assert boundary in rows and row["topk_boundary"] == pytest.approx(sum(rows) / 3)

@@ -209,7 +209,8 @@ def routing_diagnostics(
     """What a trainer logs at each evaluation to watch the routers learn, from the routes of one
     probe batch in top-k and in causal routing: per router the distribution of the raw weights r
     (mean, std, 5/50/95th percentiles), the top-k boundary (mean over rows of the k-th largest r),
-    the gate g(r) of the chosen tokens (mean, std), the causal take-rate; and the decisions
+    the gate g(r) of the chosen tokens (mean, std, 10/50/90th percentiles: a gate that closes
+    switches its block off), the causal take-rate; and the decisions
     themselves (``"<name>/topk"``, ``"<name>/causal"``: bool masks) to compare with the next
     evaluation's (`decision_flips`)."""
     stats: dict[str, dict[str, float]] = {}
@@ -229,11 +230,25 @@ def routing_diagnostics(
             "topk_boundary": float(r.topk(k, dim=1).values[:, -1].mean()) if k else float("nan"),
             "gate_chosen_mean": float(chosen.mean()) if chosen.numel() else float("nan"),
             "gate_chosen_std": float(chosen.std()) if chosen.numel() > 1 else float("nan"),
+            **_gate_quantiles(chosen),
             "causal_take_rate": float(c.mask.double().mean().cpu()),
         }
         masks[f"{t.name}/topk"] = mask.bool()
         masks[f"{c.name}/causal"] = c.mask.bool().cpu()
     return stats, masks
+
+
+def _gate_quantiles(chosen: Tensor) -> dict[str, float]:
+    if not chosen.numel():
+        return dict.fromkeys(
+            ("gate_chosen_p10", "gate_chosen_p50", "gate_chosen_p90"), float("nan")
+        )
+    q = torch.quantile(chosen, torch.tensor([0.1, 0.5, 0.9], dtype=chosen.dtype))
+    return {
+        "gate_chosen_p10": float(q[0]),
+        "gate_chosen_p50": float(q[1]),
+        "gate_chosen_p90": float(q[2]),
+    }
 
 
 def decision_flips(before: dict[str, Tensor], after: dict[str, Tensor]) -> dict[str, float]:

@@ -387,3 +387,24 @@ def test_expert_runs_log_what_the_experts_ran(corpus: Path, tmp_path: Path):
     assert s["train_expert_share"] == {"0": 1.0, "1": 1.0}
     assert s["expert_take_rate"]["0"] == 1.0
     assert s["expert_take_rate"]["1"] == pytest.approx(s["causal_take_rate"]["1"])
+
+
+def test_every_evaluation_logs_the_copy_probe_and_mod_eval_prints_it(corpus, tmp_path, capsys):
+    """The copy probe of each evaluation is that of the model at that step: the last one equals
+    the probe recomputed on the saved checkpoint, and `mod eval` prints the same."""
+    from mixture_of_depths.probes import copy_probe
+
+    out = tmp_path / "run"
+    summary = train(MoDConfig(**TINY), tc(corpus, out, seq_len=32), progress=False)
+    rows = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss_topk" in r]
+    assert len(evals) == 2 and all("score" in r["copy_probe"] for r in evals)
+    model, _ = load_model(out / "checkpoint")
+    again = copy_probe(model, length=32)
+    logged = evals[-1]["copy_probe"]
+    for key in ("loss_first", "loss_second", "score"):
+        assert logged[key] == pytest.approx(again[key], rel=1e-6, abs=1e-7)
+    assert logged["take_first"] == again["take_first"]
+    assert summary["copy_probe"] == evals[-1]["copy_probe"]
+    assert main(["eval", str(out / "checkpoint"), "--data", str(corpus)]) == 0
+    assert f"copy probe: score {again['score']:+.3f} nats" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from ..experts import ran_real_expert, slot_shares
 from ..generate import prefill_calibration as calibrate_prefill
 from ..model import MoDOutput, MoDTransformer
 from ..precision import autocast_for
+from ..probes import copy_probe
 from ..routing import routing_accuracy
 from ..runtime.checkpoint import corrupt, load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
@@ -95,7 +96,8 @@ def evaluate_checkpoint(
 
     `n_batches` / `batch_size` None: the run's own (from the checkpoint), so the numbers match
     its last evaluation; a given value must be >= 1. `prefill_calibration` (MoD models): also
-    `generate.prefill_calibration` on the first batch, prompts of half the sequence.
+    `generate.prefill_calibration` on the first batch, prompts of half the sequence. The copy
+    probe (`probes.copy_probe`) runs at the run's sequence length.
     """
     for name, value in (("n_batches", n_batches), ("batch_size", batch_size)):
         Range(lo=1, integer=True, optional=True).check(name, value)
@@ -121,6 +123,9 @@ def evaluate_checkpoint(
     _, val_tokens, _ = load_splits(data, tokenizer)
     batches = eval_batches(val_tokens, batch_size, seq_len, n_batches)
     out = {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
+    if seq_len >= 4:  # in-context copying at the run's length
+        with autocast_for(dev):
+            out["copy_probe"] = copy_probe(model, length=seq_len)
     if prefill_calibration:
         if cfg.is_dense:
             raise ValueError(

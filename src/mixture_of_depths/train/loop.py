@@ -23,6 +23,7 @@ from ..config import MoDConfig
 from ..fileio import write_json
 from ..model import MoDOutput
 from ..precision import autocast_for
+from ..probes import copy_probe
 from ..routing import decision_flips, routing_diagnostics
 from ..runtime import distributed as D
 from ..runtime.checkpoint import save_checkpoint, save_sharded_checkpoint
@@ -305,12 +306,17 @@ def _routing_probe(run: Run) -> dict[str, dict[str, float]]:
 
 def _evaluate(run: Run) -> dict[str, Any]:
     """`evaluate` on this rank's rows of every validation batch, averaged over the ranks (every
-    rank evaluates whole batches when the world size does not divide them)."""
+    rank evaluates whole batches when the world size does not divide them), and the copy probe."""
     env, batches = run.env, run.val
     if env.active and all(len(x) % env.world_size == 0 for x, _ in batches):
         batches = [(x[D.local_rows(env, len(x))], y[D.local_rows(env, len(y))]) for x, y in batches]
-        return D.mean_nested(env, evaluate(run.model, batches, run.device))
-    return evaluate(run.model, batches, run.device)
+        ev = D.mean_nested(env, evaluate(run.model, batches, run.device))
+    else:
+        ev = evaluate(run.model, batches, run.device)
+    if run.seq_len >= 4:  # in-context copying; every rank runs it whole, as the routing probe
+        with autocast_for(run.device):
+            ev["copy_probe"] = copy_probe(run.model, length=run.seq_len)
+    return ev
 
 
 def _save(

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..probes import format_copy_probe
+
 
 def format_eval(step: int, ev: dict[str, Any]) -> str:
     parts = [
@@ -20,6 +22,8 @@ def format_eval(step: int, ev: dict[str, Any]) -> str:
     if ev.get("expert_take_rate"):
         rate = ", ".join(f"L{k} {v:.1%}" for k, v in ev["expert_take_rate"].items())
         parts.append(f"tokens running a real expert {rate}")
+    if ev.get("copy_probe"):
+        parts.append(f"copy score {ev['copy_probe']['score']:+.3f}")
     return " | ".join(parts)
 
 
@@ -46,6 +50,8 @@ def format_eval_lines(ev: dict[str, Any]) -> list[str]:
     if ev.get("train_expert_share"):
         share = ", ".join(f"L{k} {v:.1%}" for k, v in ev["train_expert_share"].items())
         lines.append(f"expert slots run in training (mean over logged steps): {share}")
+    if ev.get("copy_probe"):
+        lines.append(format_copy_probe(ev["copy_probe"]))
     return lines
 
 

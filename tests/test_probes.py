@@ -1,0 +1,81 @@
+"""The copy probe against oracles: a model that cannot copy scores exactly 0, a hand-made perfect
+copier scores ln V less its floor, and the routers' take-rates on each copy are those of the
+forward's routes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import V, make_model, tiny_config
+
+from mixture_of_depths.model import MoDOutput
+from mixture_of_depths.probes import copy_probe, copy_tokens, format_copy_probe
+
+
+class Copier(torch.nn.Module):
+    """Predicts, at every position of the second copy, the token after the earlier occurrence of
+    the current one (what an induction head does), with logit `sharp` on it; uniform elsewhere."""
+
+    def __init__(self, half: int, sharp: float) -> None:
+        super().__init__()
+        self.config = tiny_config()
+        self.half, self.sharp = half, sharp
+        self.w = torch.nn.Parameter(torch.zeros(()))  # a device for the probe to read
+
+    def forward(self, idx: torch.Tensor, routing: str = "causal") -> MoDOutput:
+        B, T = idx.shape
+        logits = torch.zeros(B, T, V, dtype=torch.float64)
+        for t in range(self.half, T - 1):  # token t+1 repeats token t+1-half
+            logits[torch.arange(B), t, idx[:, t + 1 - self.half]] = self.sharp
+        return MoDOutput(logits=logits, aux_loss=None, routes=[])
+
+
+def test_copy_tokens_repeat_a_random_sequence():
+    x = copy_tokens(V, 3, 10, seed=5)
+    assert x.shape == (3, 20) and torch.equal(x[:, :10], x[:, 10:])
+    assert torch.equal(x, copy_tokens(V, 3, 10, seed=5))  # a fixed generator
+    assert not torch.equal(x, copy_tokens(V, 3, 10, seed=6))
+
+
+def test_a_model_that_cannot_copy_scores_zero():
+    model = make_model(tiny_config())
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: each loss is exactly ln V
+        if model.lm_head.bias is not None:
+            model.lm_head.bias.zero_()
+    probe = copy_probe(model, rows=2, length=32)
+    assert probe["loss_first"] == pytest.approx(math.log(V), rel=1e-6)
+    assert probe["loss_second"] == pytest.approx(math.log(V), rel=1e-6)
+    assert abs(probe["score"]) < 1e-6
+
+
+def test_a_perfect_copier_scores_the_whole_first_copy_loss():
+    half, sharp = 16, 30.0
+    probe = copy_probe(Copier(half, sharp), rows=3, length=2 * half)
+    floor = math.log(1 + (V - 1) * math.exp(-sharp))  # the loss of a logit `sharp` above the rest
+    assert probe["loss_first"] == pytest.approx(math.log(V), rel=1e-9)
+    assert probe["loss_second"] == pytest.approx(floor, rel=1e-6)  # the seam is not counted
+    assert probe["score"] == pytest.approx(math.log(V) - floor, rel=1e-9)
+
+
+@pytest.mark.parametrize("routing", ["causal", "topk"])
+def test_take_rates_are_those_of_the_routes(routing):
+    model = make_model(tiny_config(routing="staggered"))
+    probe = copy_probe(model, rows=2, length=40, routing=routing)
+    with torch.no_grad():
+        routes = model(copy_tokens(V, 2, 20), routing=routing).routes
+    assert list(probe["take_first"]) == [r.name for r in routes]
+    for r in routes:
+        assert probe["take_first"][r.name] == pytest.approx(float(r.mask[:, :20].float().mean()))
+        assert probe["take_second"][r.name] == pytest.approx(float(r.mask[:, 20:].float().mean()))
+    assert "take-rate first->second copy" in format_copy_probe(probe)
+
+
+def test_the_probe_leaves_the_model_as_it_was_and_checks_its_length():
+    model = make_model(tiny_config()).train()
+    copy_probe(model, rows=1, length=8)
+    assert model.training
+    with pytest.raises(ValueError, match="copy probe length"):
+        copy_probe(model, length=model.config.max_seq_len + 2)
