@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,27 @@ def test_corpus_files_errors(tmp_path: Path) -> None:
         corpus_files(empty)
     with pytest.raises(ValueError, match="x.bin"):
         corpus_files(empty / "x.bin")
+
+
+def test_names_that_are_not_utf8_are_skipped_and_named(tmp_path: Path) -> None:
+    root = make_corpus(tmp_path / "corpus")
+    bad_file, bad_dir = root / os.fsdecode(b"caf\xe9.py"), root / os.fsdecode(b"d\xff")
+    try:
+        bad_file.write_text("x = 1\n")
+        bad_dir.mkdir()
+    except OSError:
+        pytest.skip("this filesystem takes only UTF-8 names")
+    (bad_dir / "inner.py").write_text("y = 2\n")
+    with pytest.warns(UserWarning, match="2 file or folder name.s. that are not UTF-8") as seen:
+        files = corpus_files(root)
+    assert len(files) == 12  # the run goes on with the others
+    note = str(seen[0].message)
+    assert repr(os.fsencode(bad_file)) in note and repr(os.fsencode(bad_dir)) in note
+    with pytest.warns(UserWarning, match="not UTF-8"):
+        train, val, _ = load_splits(root, cache_dir=tmp_path / "cache")
+    assert len(train) and len(val)
+    with pytest.raises(ValueError, match=r"data path b'.*d\\xff' is not UTF-8"):
+        corpus_files(bad_dir)  # named itself: refused, not skipped
 
 
 def test_split_is_deterministic_disjoint_and_covering(tmp_path: Path) -> None:

@@ -9,6 +9,12 @@ Default corpus
     (~30 MB) of real, varied text that every Python install already has, so training works
     offline with nothing to download. Different Python versions give different corpora.
 
+A folder
+    Every UTF-8 text file under it, recursively, sorted by relative path; hidden files and
+    folders and files that look binary or are not UTF-8 are left out. A file or folder whose
+    *name* is not UTF-8 is left out too, with a warning naming its bytes (one odd name in a
+    large folder should not stop a run); a ``--data`` path that is itself not UTF-8 is refused.
+
 Train/validation split
     The split is by *file*, so no file contributes text to both sides: a file goes to
     validation iff ``sha1(path relative to the files' common root)`` mapped to [0, 1) is below

@@ -7,6 +7,7 @@ import codecs
 import hashlib
 import os
 import sysconfig
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,16 +54,31 @@ def _looks_like_text(path: Path) -> bool:
     return True
 
 
+def _utf8(name: str) -> bool:
+    """Whether a file name decoded from the filesystem is UTF-8: Python keeps other bytes as
+    lone surrogates, which no UTF-8 encode (the split hash, the cache key, JSON, the terminal)
+    takes."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def corpus_files(data: str | Path | None) -> list[Path]:
     """Resolve ``data`` to a list of text files.
 
     None gives :func:`default_corpus_files`; a file gives ``[file]``; a folder gives every
     text file under it, recursively, sorted by relative path, skipping hidden files and
-    folders and files that look binary or are not UTF-8.
+    folders and files that look binary or are not UTF-8. Files and folders whose names are not
+    UTF-8 are skipped with a warning naming their bytes; a ``data`` path itself that is not
+    UTF-8 is refused.
     """
     if data is None:
         return default_corpus_files()
     path = Path(data).expanduser()
+    if not _utf8(str(path)):
+        raise ValueError(f"data path {os.fsencode(path)!r} is not UTF-8: rename it")
     if not path.exists():
         raise FileNotFoundError(f"data path {path} does not exist")
     if path.is_file():
@@ -72,13 +88,25 @@ def corpus_files(data: str | Path | None) -> list[Path]:
     if not path.is_dir():
         raise ValueError(f"data path {path} is neither a file nor a folder")
     found: list[tuple[str, Path]] = []
+    odd: list[bytes] = []  # names that are not UTF-8: skipped, and said so
     for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        odd += [os.fsencode(Path(dirpath, d)) for d in dirnames if not (d[:1] == "." or _utf8(d))]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and _utf8(d)]
         for name in filenames:
             file = Path(dirpath, name)
             if name.startswith(".") or not file.is_file() or not _looks_like_text(file):
                 continue
+            if not _utf8(name):
+                odd.append(os.fsencode(file))
+                continue
             found.append((file.relative_to(path).as_posix(), file))
+    if odd:
+        warnings.warn(
+            f"data folder {path}: skipping {len(odd)} file or folder name(s) that are not UTF-8 "
+            f"(rename them to use them): {', '.join(map(repr, odd[:5]))}"
+            + (", ..." if len(odd) > 5 else ""),
+            stacklevel=2,
+        )
     if not found:
         raise ValueError(f"data folder {path} holds no text file")
     found.sort(key=lambda item: item[0])
