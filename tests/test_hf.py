@@ -183,3 +183,35 @@ def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind):
     restored = load_tokenizer(back)
     assert type(restored) is type(tokenizer)
     assert restored.encode(text) == tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_exported_and_converted_folders_get_the_modes_of_a_plain_mkdir(tmp_path, mask):
+    """`mod export --hf`, `--llama` and `mod convert` write through mkdtemp (0700) and
+    safetensors (0600 files): what comes out has the modes a plain mkdir and open give."""
+    import os
+    import stat
+
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
+
+    def mode(p):  # noqa: ANN001, ANN202
+        return stat.S_IMODE(p.stat().st_mode)
+
+    dense = make_model(tiny_config(vocab_size=257, layer_pattern="D"), dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", dense, dense.config, tokenizer=ByteTokenizer())
+    old = os.umask(mask)
+    try:
+        (tmp_path / "plain").mkdir()
+        (tmp_path / "plain" / "file").write_text("")
+        want = {"dir": mode(tmp_path / "plain"), "file": mode(tmp_path / "plain" / "file")}
+        outs = [tmp_path / "hf", tmp_path / "llama", tmp_path / "mod"]
+        assert main(["export", str(ckpt), "--hf", str(outs[0])]) == 0
+        assert main(["export", str(ckpt), "--llama", str(outs[1])]) == 0
+        assert main(["convert", "--from-hf", str(outs[1]), "--out", str(outs[2])]) == 0
+    finally:
+        os.umask(old)
+    for out in outs:
+        for p in [out, *out.rglob("*")]:
+            assert mode(p) == want["dir" if p.is_dir() else "file"], p

@@ -28,6 +28,15 @@ def umask_mode(default: int = 0o666) -> int:
     return default & ~mask
 
 
+def plain_modes(root: Path) -> None:
+    """Give folder `root` and everything under it the modes a plain mkdir/open would: a folder
+    made by mkdtemp is 0700, and writers that stage through mkstemp (safetensors') leave 0600."""
+    os.chmod(root, umask_mode(0o777))
+    for path in Path(root).rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, umask_mode(0o777 if path.is_dir() else 0o666))
+
+
 def fsync_dir(path: Path) -> None:
     """Make renames inside `path` durable (a no-op where directories cannot be opened)."""
     try:

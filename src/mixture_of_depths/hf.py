@@ -54,6 +54,7 @@ from .cache import KVCache
 from .config import MoDConfig
 from .convert import bytes_to_unicode, llama_config, read_tokenizer, to_llama
 from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from .fileio import plain_modes
 from .model import IGNORE_INDEX, MoDTransformer
 from .runtime.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 
@@ -354,6 +355,7 @@ def _write_folder(out: str | Path, write: Any) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         write(tmp)
+        plain_modes(tmp)  # not mkdtemp's 0700 (nor 0600 files): what a plain mkdir would give
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
