@@ -124,9 +124,13 @@ def env(shared: tuple[Path, dict[str, str]]) -> dict[str, str]:
 def test_ddp_two_ranks_and_grad_accum_equal_one_process(corpus, tmp_path, env, reference):
     base = [*COMMON, "--data", str(corpus)]
     two, acc = tmp_path / "two", tmp_path / "acc"
-    run_mod([*base, "--out", str(two)], env, nproc=2)
+    printed = run_mod([*base, "--out", str(two)], env, nproc=2).stdout
     run_mod([*base, "--out", str(acc), "--grad-accum", "2"], env)
     assert_same_run(logged(two), reference, "DDP, 2 ranks")
+    # Each evaluation's line is printed once, by rank 0, not once per rank.
+    evals = [r["step"] for r in logged(two) if "val_loss_topk" in r]
+    lines = [line for line in printed.splitlines() if ": val loss top-k" in line]
+    assert [int(line.split()[1].rstrip(":")) for line in lines] == evals == [2, 4, 6]
     assert_same_run(logged(acc), reference, "1 process, --grad-accum 2")
     # The first step, before AdamW has amplified anything, agrees to round-off.
     assert logged(two)[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-13)

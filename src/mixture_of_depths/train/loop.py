@@ -252,7 +252,8 @@ def _evaluate_and_save(run: Run, done: int, bar: tqdm) -> dict[str, Any]:
             raise TrainingDiverged(msg)
         diag = _routing_probe(run)
         run.log.write({"step": done, **ev, **({"routing_diag": diag} if diag else {})})
-        bar.write(format_eval(done, ev))
+        if run.env.is_main:  # tqdm.write prints on every rank, its bar disabled or not
+            bar.write(format_eval(done, ev))
         _checkpoint(run, done, elapsed)
     return ev
 
