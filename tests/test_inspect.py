@@ -296,3 +296,37 @@ def test_the_page_renders_in_a_real_browser(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count('class="tok"') == len(text)
     assert "Uncaught" not in proc.stderr and "CONSOLE" not in proc.stderr
+
+
+def test_statistics_of_constant_routing_say_why_they_are_undefined(tmp_path, capsys, monkeypatch):
+    """Every token skips every routed block: rho and the variance ratio have no value (a constant
+    has no variance). The printed line, report.md, the page and the plots' titles say so, never
+    ``+nan`` or ``nanx``."""
+    import matplotlib.axes
+
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
+
+    model = make_model(tiny_config(vocab_size=257, causal_router="predictor"), dtype=torch.float32)
+    force_routing(model, False)
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    titles = []
+    real = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "set_title", lambda ax, t, *a, **k: titles.append(t) or real(ax, t)
+    )
+    out = tmp_path / "inspect"
+    text = "def f(x):\n    return x + 1\n" * 3
+    assert main(["inspect", str(ckpt), "--text", text, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    page = (out / "index.html").read_text()
+    numbers = page[page.index("<pre>") :]
+    title = " ".join(titles)
+    why = "undefined (routing is constant: no variance)"
+    assert printed.count(why) == 2  # depth~entropy, depth~loss
+    assert report.count(why) == 3 and numbers.count(why) == 3  # and the variance ratio
+    assert title.count(why) == 3
+    for where in (printed, report, numbers, title):
+        assert "nan" not in where.lower()

@@ -11,7 +11,7 @@ import torch
 
 from ..data import ByteTokenizer, eval_batches, load_splits, load_tokenizer
 from ..fileio import atomic_write_text
-from ..inspect import analyse, class_table, extremes, html_page, plot, report_md
+from ..inspect import analyse, class_table, extremes, html_page, plot, report_md, rho_text
 from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
 
@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
     c = report.correlations
     print(
         f"{out}: index.html, report.md, routing.png, depth_hist.png, skip_runs.png, entropy.png "
-        f"({len(report.tokens)} tokens; rho depth~entropy {c['depth_vs_entropy']['rho']:+.3f}, "
-        f"depth~loss {c['depth_vs_loss']['rho']:+.3f}"
+        f"({len(report.tokens)} tokens; rho depth~entropy {rho_text(report, 'depth_vs_entropy')}, "
+        f"depth~loss {rho_text(report, 'depth_vs_loss')}"
         + (
-            f", depth~baseline loss {c['depth_vs_baseline_loss']['rho']:+.3f}"
+            f", depth~baseline loss {rho_text(report, 'depth_vs_baseline_loss')}"
             if "depth_vs_baseline_loss" in c
             else ""
         )

@@ -29,7 +29,10 @@ from .analysis import (
     extremes,
     loss_by,
     loss_by_run,
+    rho_text,
     text_class,
+    undefined_reason,
+    variance_ratio_text,
 )
 from .plots import PICTURES, plot
 from .report import html_page, report_md
@@ -63,6 +66,9 @@ __all__ = [
     "poisson_binomial",
     "ranks",
     "report_md",
+    "rho_text",
     "spearman",
     "text_class",
+    "undefined_reason",
+    "variance_ratio_text",
 ]

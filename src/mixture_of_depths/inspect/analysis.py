@@ -155,6 +155,48 @@ def analyse(
     return report
 
 
+# -- statistics that can be undefined ------------------------------------------------------------
+_AGAINST = {"depth_vs_entropy": "entropy", "depth_vs_loss": "loss",
+            "depth_vs_baseline_loss": "baseline loss"}  # fmt: skip
+
+
+def undefined_reason(report: Report, key: str) -> str | None:
+    """Why the statistic `key` (a correlation, or "variance_ratio") is NaN, or None if it is a
+    number: NaN printed as ``+nan`` tells a reader nothing; constant routing is the usual cause."""
+    if key == "variance_ratio":
+        ratio = report.independence.get("variance_ratio", 0.0)
+        return None if ratio == ratio else "routing is constant: no variance"
+    rho = report.correlations[key]["rho"]
+    if rho == rho:
+        return None
+    sel = torch.ones(len(report.tokens), dtype=torch.bool)
+    if key != "depth_vs_entropy":  # the loss-based ones: tokens with a next token
+        sel = ~report.loss.isnan()
+    if int(sel.sum()) < 2:
+        return f"{int(sel.sum())} token(s) with a next token: too few"
+    taken = report.taken[sel]
+    if (taken == taken[:1]).all():
+        return "routing is constant: no variance"
+    depth = report.depth[sel]
+    if depth.min() == depth.max():
+        return "blocks taken are the same for every token: no variance"
+    return f"the {_AGAINST.get(key, key)} is the same for every token: no variance"
+
+
+def rho_text(report: Report, key: str, digits: int = 3) -> str:
+    """Spearman's rho of correlation `key` as text, or "undefined (why)"."""
+    why = undefined_reason(report, key)
+    return f"undefined ({why})" if why else f"{report.correlations[key]['rho']:+.{digits}f}"
+
+
+def variance_ratio_text(report: Report, of: str = "the independent one") -> str:
+    """The variance of blocks taken against `of` (its value under independent coins) as text:
+    "1.23x OF", or "over OF undefined (why)"."""
+    why = undefined_reason(report, "variance_ratio")
+    ratio = report.independence["variance_ratio"]
+    return f"over {of} undefined ({why})" if why else f"{ratio:.2f}x {of}"
+
+
 def loss_by(report: Report, groups: Tensor) -> dict[int, dict[str, float]]:
     """Per value of `groups` ((N,) ints, e.g. the longest skip run or the blocks taken): how many
     tokens, their mean loss and, with a baseline, their mean excess loss with the half-width of its

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .analysis import Report, loss_by, loss_by_run
+from .analysis import Report, loss_by, loss_by_run, rho_text, variance_ratio_text
 
 PICTURES = ("routing.png", "depth_hist.png", "skip_runs.png", "entropy.png")
 
@@ -72,7 +72,7 @@ def _depth_hist(plt: Any, report: Report, n: int) -> Any:
     ind = report.independence
     if ind:
         ax.set_title(
-            f"variance {ind['variance_ratio']:.2f}x independent, permutation p = "
+            f"variance {variance_ratio_text(report, 'independent')}, permutation p = "
             f"{ind['p_value']:.3g}",
             fontsize=9,
         )
@@ -149,12 +149,9 @@ def _entropy(plt: Any, report: Report, n: int) -> Any:
             for d in range(R + 1)
         ]
         ax.plot(range(R + 1), means, "o-", label=f"mean {label}", color=color)
-    c = report.correlations
-    ax.set_title(
-        f"Spearman rho: depth~entropy {c['depth_vs_entropy']['rho']:+.3f}, "
-        f"depth~loss {c['depth_vs_loss']['rho']:+.3f}",
-        fontsize=9,
-    )
+    rho = [rho_text(report, k) for k in ("depth_vs_entropy", "depth_vs_loss")]
+    sep = ",\n" if any(r.startswith("undefined") for r in rho) else ", "  # a long title wraps
+    ax.set_title(f"Spearman rho: depth~entropy {rho[0]}{sep}depth~loss {rho[1]}", fontsize=9)
     ax.set_xticks(range(R + 1))
     ax.set_xlabel("routed blocks taken")
     ax.set_ylabel("nats")

@@ -8,7 +8,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from .analysis import Report, loss_by, loss_by_run
+from .analysis import Report, loss_by, loss_by_run, rho_text, variance_ratio_text
 from .stats import mean_interval
 
 
@@ -60,8 +60,8 @@ def _routing_tables(report: Report) -> list[str]:
         lines += [
             "",
             f"Against independent coins at the same per-router rates: variance of blocks taken "
-            f"{ind['variance_ratio']:.2f}x the independent one (1: independent; above 1: routers "
-            f"pick the same tokens; below: they share them out); total variation distance "
+            f"{variance_ratio_text(report)} (1: independent; above 1: "
+            f"routers pick the same tokens; below: they share them out); total variation distance "
             f"{ind['total_variation']:.3f}; permutation test p = {ind['p_value']:.4f} "
             f"({ind['permutations']} shuffles of each router's decisions).",
         ]
@@ -105,8 +105,11 @@ def _correlations(report: Report) -> list[str]:
         if key not in report.correlations:
             continue
         v = report.correlations[key]
-        interval = f"95% bootstrap interval over rows {v['low']:+.4f} to {v['high']:+.4f}"
         name = key.replace("_", " ")
+        if v["rho"] != v["rho"]:  # NaN: say why, with no interval of NaNs
+            lines.append(f"- {name}: Spearman rho {rho_text(report, key)} (n = {v['n']})")
+            continue
+        interval = f"95% bootstrap interval over rows {v['low']:+.4f} to {v['high']:+.4f}"
         lines.append(f"- {name}: Spearman rho {v['rho']:+.4f} ({interval}, n = {v['n']})")
     return lines
 
