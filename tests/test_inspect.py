@@ -330,3 +330,41 @@ def test_statistics_of_constant_routing_say_why_they_are_undefined(tmp_path, cap
     assert title.count(why) == 3
     for where in (printed, report, numbers, title):
         assert "nan" not in where.lower()
+
+
+def test_inspect_refuses_an_out_folder_that_is_not_its_own_and_reruns_in_its_own(tmp_path, capsys):
+    """--out over a folder of other files is refused before anything is written (export and
+    convert refuse any non-empty folder); a previous output of `mod inspect` (its file names,
+    its headings), such as the default <checkpoint>/../inspect, is rewritten in place."""
+    from pathlib import Path
+
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
+
+    model = make_model(tiny_config(vocab_size=257), dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "run" / "checkpoint", model, model.config,
+                           tokenizer=ByteTokenizer())  # fmt: skip
+    argv = ["inspect", str(ckpt), "--text", "x = 1\n"]
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    (theirs / "report.md").write_text("# my report\n")
+    assert main([*argv, "--out", str(theirs)]) == 2
+    err = capsys.readouterr().err
+    assert "not a previous mod inspect's output ('notes.txt', 'report.md')" in err
+    assert "give a new or empty folder as --out" in err
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt", "report.md"]
+    assert (theirs / "report.md").read_text() == "# my report\n"
+    assert main([*argv, "--out", str(theirs / "notes.txt")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    from mixture_of_depths.cli.inspect import OUTPUTS, check_out
+
+    assert main(argv) == 0 and main(argv) == 0  # the default folder, then again in place
+    default = tmp_path / "run" / "inspect"
+    assert sorted(p.name for p in default.iterdir()) == sorted(OUTPUTS)
+    (default / ".report.md.q1w2.tmp").write_text("cut short")  # an interrupted write's leftover
+    assert main(argv) == 0
+    capsys.readouterr()
+    # The pages in docs/ were written by mod inspect: recognised as such.
+    check_out(Path(__file__).parents[1] / "docs" / "inspect" / "byte")

@@ -11,7 +11,16 @@ import torch
 
 from ..data import ByteTokenizer, eval_batches, load_splits, load_tokenizer
 from ..fileio import atomic_write_text
-from ..inspect import analyse, class_table, extremes, html_page, plot, report_md, rho_text
+from ..inspect import (
+    PICTURES,
+    analyse,
+    class_table,
+    extremes,
+    html_page,
+    plot,
+    report_md,
+    rho_text,
+)
 from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
 
@@ -43,11 +52,51 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--device", default="auto")
 
 
+# What `mod inspect` writes: a folder holding only these (and its own write's leftovers) is a
+# previous output, rewritten in place; anything else in --out is not ours to overwrite.
+OUTPUTS = ("index.html", "report.md", *PICTURES)
+_HEADINGS = {"report.md": "# Where the compute went", "index.html": "<!doctype html><html><head>"
+             "<meta charset='utf-8'><title>mod inspect</title>"}  # fmt: skip
+
+
+def _ours(entry: Path) -> bool:
+    """Whether `entry` of an --out folder is a file a previous `mod inspect` wrote there."""
+    name = entry.name
+    if name.startswith(".") and any(name.startswith(f".{o}.") for o in OUTPUTS):
+        return entry.is_file()  # a temporary of an interrupted write
+    if name not in OUTPUTS or not entry.is_file() or entry.is_symlink():
+        return False
+    head = _HEADINGS.get(name)
+    if head is None:
+        return True
+    with open(entry, "rb") as f:
+        return f.read(len(head.encode())) == head.encode()
+
+
+def check_out(out: Path) -> None:
+    """Refuse an --out that is a file, or a folder holding anything but a previous output of
+    `mod inspect` (export and convert refuse any non-empty folder; inspect may be rerun in place,
+    so its own outputs are recognised: their names, and the headings of its two text files)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if not out.is_dir():
+        return
+    foreign = sorted(e.name for e in out.iterdir() if not _ours(e))
+    if foreign:
+        raise FileExistsError(
+            f"--out {out} holds files that are not a previous mod inspect's output "
+            f"({', '.join(map(repr, foreign[:3]))}{', ...' if len(foreign) > 3 else ''}): "
+            "nothing written; give a new or empty folder as --out"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
 
     if args.rows < 1:
         raise ValueError(f"--rows must be >= 1, got {args.rows}")
     ckpt = resolve_checkpoint(args.checkpoint)
+    out = Path(args.out) if args.out else ckpt.parent / "inspect"
+    check_out(out)
     device = resolve_device(args.device)
     model, cfg = load_model(ckpt, map_location=device)
     tokenizer = load_tokenizer(ckpt)
@@ -80,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
         val = load_splits(data, tokenizer)[1]
         tokens = eval_batches(val, args.rows, cfg.max_seq_len, 1)[0][0]
     report = analyse(model, tokens, baseline=baseline)
-    out = Path(args.out) if args.out else ckpt.parent / "inspect"
     out.mkdir(parents=True, exist_ok=True)
     pictures = plot(report, out, tokens.shape[1])
 
