@@ -368,3 +368,29 @@ def test_inspect_refuses_an_out_folder_that_is_not_its_own_and_reruns_in_its_own
     capsys.readouterr()
     # The pages in docs/ were written by mod inspect: recognised as such.
     check_out(Path(__file__).parents[1] / "docs" / "inspect" / "byte")
+
+
+def test_a_baseline_that_cannot_score_the_tokens_is_refused_by_name(tmp_path, capsys):
+    """Another vocabulary (same byte tokenizer) or a context shorter than the inspected rows:
+    refused before the analysis, naming the --baseline, nothing written."""
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
+
+    def ckpt(name, **kw):  # noqa: ANN001, ANN003, ANN202
+        m = make_model(tiny_config(**kw), dtype=torch.float32)
+        return save_checkpoint(tmp_path / name, m, m.config, tokenizer=ByteTokenizer())
+
+    model = ckpt("ck", vocab_size=257)
+    wide = ckpt("wide", vocab_size=300, layer_pattern="D")
+    short = ckpt("short", vocab_size=257, max_seq_len=16, layer_pattern="D")
+    out = tmp_path / "inspect"
+    argv = ["inspect", str(model), "--text", "x = [1, 2, 3]\n" * 3, "--out", str(out)]
+    assert main([*argv, "--baseline", str(wide)]) == 2
+    err = capsys.readouterr().err
+    assert f"--baseline {wide} has vocab_size 300, {model} 257" in err
+    assert main([*argv, "--baseline", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert f"--baseline {short} has max_seq_len 16, shorter than the 42 tokens per row" in err
+    assert "a shorter --text" in err
+    assert not out.exists()

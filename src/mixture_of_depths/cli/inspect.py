@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..data import ByteTokenizer, eval_batches, load_splits, load_tokenizer
+from ..config import MoDConfig
+from ..data import ByteTokenizer, Tokenizer, eval_batches, load_splits, load_tokenizer
 from ..fileio import atomic_write_text
 from ..inspect import (
     PICTURES,
@@ -21,7 +22,7 @@ from ..inspect import (
     report_md,
     rho_text,
 )
-from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint
+from ..runtime.checkpoint import load_config, load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
 
 
@@ -90,6 +91,32 @@ def check_out(out: Path) -> None:
         )
 
 
+def check_baseline(
+    args: argparse.Namespace, tokenizer: Tokenizer, cfg: MoDConfig, tokens: int = 0
+) -> None:
+    """Refuse a --baseline that cannot score the inspected tokens, naming it, before any work:
+    another tokenizer or vocabulary, or (given the `tokens` per row) a shorter context."""
+    base = resolve_checkpoint(args.baseline)
+    base_tok = load_tokenizer(base)
+    if base_tok.fingerprint() != tokenizer.fingerprint():
+        raise ValueError(
+            f"--baseline {args.baseline} has another tokenizer ({base_tok!r}) than "
+            f"{args.checkpoint} ({tokenizer!r}): a per-token comparison needs the same tokens"
+        )
+    base_cfg = load_config(base)
+    if base_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"--baseline {args.baseline} has vocab_size {base_cfg.vocab_size}, {args.checkpoint} "
+            f"{cfg.vocab_size}: a per-token comparison needs the same vocabulary"
+        )
+    if tokens > base_cfg.max_seq_len:
+        shorter = "a shorter --text, or " if args.text is not None else ""
+        raise ValueError(
+            f"--baseline {args.baseline} has max_seq_len {base_cfg.max_seq_len}, shorter than the "
+            f"{tokens} tokens per row inspected: give {shorter}a baseline of at least {tokens}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
 
     if args.rows < 1:
@@ -100,16 +127,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, cfg = load_model(ckpt, map_location=device)
     tokenizer = load_tokenizer(ckpt)
-    baseline = None
     if args.baseline is not None:
-        base_ckpt = resolve_checkpoint(args.baseline)
-        base_tok = load_tokenizer(base_ckpt)
-        if base_tok.fingerprint() != tokenizer.fingerprint():
-            raise ValueError(
-                f"--baseline {args.baseline} has another tokenizer ({base_tok!r}) than "
-                f"{args.checkpoint} ({tokenizer!r}): a per-token comparison needs the same tokens"
-            )
-        baseline = load_model(base_ckpt, map_location=device)[0]
+        check_baseline(args, tokenizer, cfg)
     if args.text is not None:
         ids = tokenizer.encode(args.text)
         if len(ids) > cfg.max_seq_len:
@@ -128,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
             data = read_json_file(ckpt / "trainer.json").get("train_config", {}).get("data")
         val = load_splits(data, tokenizer)[1]
         tokens = eval_batches(val, args.rows, cfg.max_seq_len, 1)[0][0]
+    baseline = None
+    if args.baseline is not None:
+        check_baseline(args, tokenizer, cfg, tokens.shape[1])
+        baseline = load_model(args.baseline, map_location=device)[0]
     report = analyse(model, tokens, baseline=baseline)
     out.mkdir(parents=True, exist_ok=True)
     pictures = plot(report, out, tokens.shape[1])
