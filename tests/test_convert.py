@@ -161,3 +161,192 @@ def test_a_bpe_tokenizer_keeps_another_end_of_text(tmp_path):
     back = load_tokenizer(tmp_path)
     assert back.eot_id == tok.eot_id == tk.token_to_id("</s>")
     assert back.encode("hello world") == tok.encode("hello world")
+
+
+# -- what a folder names, and what is wrong with it (issue 35) ------------------------------------
+def llama_folder(path, seed: int = 0):  # noqa: ANN201
+    """A dense model of ours written as a Llama folder without transformers: config.json,
+    model.safetensors and the byte tokenizer as byte-level BPE (what `mod export --llama` writes).
+    Returns the folder and the model."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from mixture_of_depths.convert import bytes_to_unicode, llama_config, to_llama
+
+    torch.manual_seed(seed)
+    dense = MoDTransformer(MoDConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4,
+                                     max_seq_len=64, layer_pattern="D"))  # fmt: skip
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(llama_config(dense.config)))
+    save_file(to_llama(dense), path / "model.safetensors", {"format": "pt"})
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()} | {"<|endoftext|>": 256}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|endoftext|>"])
+    tk.save(str(path / "tokenizer.json"))
+    return path, dense
+
+
+def shard(folder, weights: dict, files: int = 2) -> None:
+    """`weights` written as a sharded folder: `files` shards and model.safetensors.index.json."""
+    from safetensors.torch import save_file
+
+    names, weight_map = sorted(weights), {}
+    for i in range(files):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        part = {n: weights[n] for n in names[i::files]}
+        save_file(part, folder / file, {"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def converted_weights(src, out, capsys) -> tuple[dict, str]:
+    assert main(["convert", "--from-hf", str(src), "--out", str(out), "--capacity", "1.0"]) == 0
+    err = capsys.readouterr().err
+    return load_model(out)[0].state_dict(), err
+
+
+def test_convert_reads_exactly_the_weights_the_folder_names(tmp_path, capsys):
+    """The index's files when there is one, else model.safetensors; any other .safetensors (a
+    stale single file beside shards, Mistral's consolidated.safetensors) is not read, and a note
+    names it."""
+    from safetensors.torch import load_file, save_file
+
+    src, dense = llama_folder(tmp_path / "llama")
+    want = dense.state_dict()
+    weights = load_file(src / "model.safetensors")
+    stale = {n: torch.zeros_like(t) for n, t in weights.items()}
+    save_file(stale, src / "consolidated.safetensors")  # sorts before model.safetensors
+    got, err = converted_weights(src, tmp_path / "one", capsys)
+    assert torch.equal(got["blocks.0.attn.wo.weight"], want["blocks.0.attn.wo.weight"])
+    assert f"{src / 'consolidated.safetensors'} is not read" in err
+    # Shards and their index; a stale model.safetensors (sorting after the shards) is ignored.
+    shard(src, weights)
+    save_file(stale, src / "model.safetensors")
+    got, err = converted_weights(src, tmp_path / "sharded", capsys)
+    assert all(torch.equal(got[k], want[k]) for k in want if k in got and ".router" not in k)
+    assert f"{src / 'model.safetensors'} is not read" in err
+    for name in ("model.safetensors", "consolidated.safetensors", "model.safetensors.index.json"):
+        (src / name).unlink()
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "no model.safetensors or model.safetensors.index.json in" in err, err
+
+
+def pickle_that_writes(marker) -> bytes:
+    """A pickle whose unpickling writes `marker`: proof that something unpickled it."""
+    import pickle
+    from pathlib import Path
+
+    class Boom:
+        def __reduce__(self):  # noqa: ANN204
+            return (Path.write_text, (marker, "unpickled!"))
+
+    return pickle.dumps(Boom())
+
+
+def test_convert_refuses_pickled_weights_without_reading_them(tmp_path, capsys):
+    src, _ = llama_folder(tmp_path / "llama")
+    (src / "model.safetensors").unlink()
+    marker = tmp_path / "marker"
+    (src / "pytorch_model.bin").write_bytes(pickle_that_writes(marker))
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{src / 'pytorch_model.bin'} found: convert it to safetensors first" in err, err
+    assert "Traceback" not in err and not marker.exists()
+
+
+def _damage(path, how: str) -> None:
+    """Damage one file of a folder: cut in half, emptied, a tensor dropped, config.json's fields
+    changed (``field=JSON``, ``field=`` to drop it), or replaced by literal text."""
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how.startswith("drop "):
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(path)
+        del weights[how.removeprefix("drop ")]
+        save_file(weights, path)
+    elif "=" in how and not how.startswith(("{", "[")):
+        cfg = json.loads(path.read_text())
+        name, value = how.split("=", 1)
+        if value:
+            cfg[name] = json.loads(value)
+        else:
+            del cfg[name]
+        path.write_text(json.dumps(cfg))
+    else:
+        path.write_text(how)
+
+
+UP = "model.layers.1.mlp.up_proj.weight"
+FOLDER_DAMAGE = [  # (file, how to damage it, what the one line must say)
+    ("model.safetensors", "truncate", "model.safetensors: not a readable safetensors file"),
+    ("model.safetensors", "", "0 bytes, too short for a safetensors header"),
+    ("model.safetensors", "garbage " * 9, "model.safetensors: not a readable safetensors file"),
+    ("model.safetensors", f"drop {UP}", f"no tensor {UP!r}, which config.json implies"),
+    ("config.json", "[]", "config.json: expected a JSON object, found list"),
+    ("config.json", '{"model_type": "llama",', "config.json: not valid JSON (Expecting"),
+    ("config.json", "hidden_size=", "config.json: hidden_size is missing"),
+    ("config.json", 'hidden_size="32"', 'hidden_size must be a positive integer, got "32"'),
+    ("config.json", "rms_norm_eps=[1]", "config.json: rms_norm_eps must be a number, got [1]"),
+    ("config.json", "vocab_size=300", "model.safetensors: 'model.embed_tokens.weight' has shape "
+     "[257, 32], config.json implies [300, 32]"),
+    ("tokenizer.json", '{"model": 3', "tokenizer.json: not a tokenizer the tokenizers library"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,how,message", FOLDER_DAMAGE)
+def test_a_malformed_folder_is_one_line_naming_the_file(tmp_path, capsys, name, how, message):
+    src, _ = llama_folder(tmp_path / "llama")
+    _damage(src / name, how)
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(src) in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+INDEX_DAMAGE = [  # (file, how to damage it, what the one line must say)
+    ("model.safetensors.index.json", "{", "model.safetensors.index.json: not valid JSON"),
+    ("model.safetensors.index.json", '{"weight_map": []}', 'expected a non-empty "weight_map"'),
+    ("model.safetensors.index.json", 'weight_map={"x": "../elsewhere.safetensors"}',
+     "'x' maps to \"../elsewhere.safetensors\", not a .safetensors file of this folder"),
+    (SHARD2, "delete", f"index.json: it names {SHARD2}, which is not in"),
+    (SHARD1, "drop model.embed_tokens.weight", f"{SHARD1}: it holds no tensor "
+     "'model.embed_tokens.weight', which model.safetensors.index.json maps to it"),
+    (SHARD2, "truncate", f"{SHARD2}: not a readable safetensors file"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,how,message", INDEX_DAMAGE)
+def test_a_broken_index_or_shard_is_named(tmp_path, capsys, name, how, message):
+    from safetensors.torch import load_file
+
+    src, _ = llama_folder(tmp_path / "llama")
+    shard(src, load_file(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    if how == "delete":
+        (src / name).unlink()
+    else:
+        _damage(src / name, how)
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "inspect"])
+def test_commands_that_load_a_checkpoint_say_how_to_convert_a_hf_folder(tmp_path, capsys, command):
+    src, _ = llama_folder(tmp_path / "llama")
+    args = {
+        "generate": ["--checkpoint", str(src), "--prompt", "def"],
+        "eval": [str(src), "--data", str(tmp_path)],
+        "inspect": [str(src)],
+    }[command]
+    assert main([command, *args]) == 2
+    err = capsys.readouterr().err
+    want = f"{src} is a Hugging Face folder, not a checkpoint: run `mod convert --from-hf {src}"
+    assert want in err and "unknown MoDConfig fields" not in err, err

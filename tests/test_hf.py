@@ -215,3 +215,104 @@ def test_exported_and_converted_folders_get_the_modes_of_a_plain_mkdir(tmp_path,
     for out in outs:
         for p in [out, *out.rglob("*")]:
             assert mode(p) == want["dir" if p.is_dir() else "file"], p
+
+
+# -- `mod convert` on an exported folder: what it names, and nothing unpickled (issue 35) ---------
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):  # noqa: ANN201
+    """An exported MoD folder (`mod export --hf`) of a small float32 model."""
+    from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.hf import export_checkpoint
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
+
+    root = tmp_path_factory.mktemp("exported")
+    model = make_model(tiny_config(vocab_size=257), dtype=torch.float32)
+    ckpt = save_checkpoint(root / "ck", model, model.config, tokenizer=ByteTokenizer())
+    return export_checkpoint(ckpt, root / "hf")
+
+
+def test_an_exported_folder_with_pickled_weights_is_refused_unread(
+    exported, tmp_path, capsys, monkeypatch
+):
+    """Only pytorch_model.bin (a pickle whose unpickling would write a marker file): refused,
+    naming it; neither torch.load nor pickle ever sees it."""
+    import pickle
+    import shutil
+    from pathlib import Path
+
+    from mixture_of_depths.cli import main
+
+    class Boom:
+        def __reduce__(self):  # noqa: ANN204
+            return (Path.write_text, (marker, "unpickled!"))
+
+    src, marker = tmp_path / "hf", tmp_path / "marker"
+    shutil.copytree(exported, src)
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin").write_bytes(pickle.dumps(Boom()))
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: loads.append(a))
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{src / 'pytorch_model.bin'} found: convert it to safetensors first" in err, err
+    assert "Traceback" not in err and not loads and not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def _edit_mod(path, **change) -> None:  # noqa: ANN001
+    import json
+
+    cfg = json.loads(path.read_text())
+    if "mod" in change:
+        cfg["mod"] = change["mod"]
+    else:
+        cfg["mod"].update(change)
+    path.write_text(json.dumps(cfg))
+
+
+EXPORTED_DAMAGE = [  # (file, damage, what the one line must say)
+    ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:100]),
+     "model.safetensors: not a readable safetensors file"),
+    ("model.safetensors", lambda p: p.write_bytes(b"\x00" * 4), "4 bytes, too short"),
+    ("config.json", lambda p: p.write_text("[]"), "expected a JSON object, found list"),
+    ("config.json", lambda p: p.write_text('{"mod": {'), "config.json: not valid JSON"),
+    ("config.json", lambda p: _edit_mod(p, mod=None), '"mod" must be an object'),
+    ("config.json", lambda p: _edit_mod(p, d_model="32"), "config.json: mod: d_model must be"),
+    ("config.json", lambda p: _edit_mod(p, n_layers=5),
+     "model.safetensors: no tensor 'model.blocks.4.attn_norm.weight', which config.json implies"),
+    ("config.json", lambda p: _edit_mod(p, d_ff=64),
+     "mlp.w13.weight' has shape [192, 32], config.json implies [128, 32]"),
+    ("tokenizer.json", lambda p: p.write_text("\x00 not json"), "tokenizer.json: not a tokenizer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,damage,message", EXPORTED_DAMAGE)
+def test_a_malformed_exported_folder_is_one_line_naming_the_file(
+    exported, tmp_path, capsys, name, damage, message
+):
+    import shutil
+
+    from mixture_of_depths.cli import main
+
+    src = tmp_path / "hf"
+    shutil.copytree(exported, src)
+    damage(src / name)
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(src) in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_on_an_exported_folder_says_to_convert_it(exported, tmp_path, capsys):
+    from mixture_of_depths.cli import main
+
+    assert main(["generate", "--checkpoint", str(exported), "--prompt", "def"]) == 2
+    err = capsys.readouterr().err
+    assert f"{exported} is a Hugging Face folder, not a checkpoint: run `mod convert" in err, err
+    assert "import mixture_of_depths.hf" in err
+    back = tmp_path / "back"
+    assert main(["convert", "--from-hf", str(exported), "--out", str(back)]) == 0
+    capsys.readouterr()
+    args = ["generate", "--checkpoint", str(back), "--prompt", "def", "--max-new-tokens", "2"]
+    assert main(args) == 0

@@ -52,7 +52,17 @@ from pathlib import Path
 
 from .cache import KVCache
 from .config import MoDConfig
-from .convert import bytes_to_unicode, llama_config, read_tokenizer, to_llama
+from .convert import (
+    bad_file,
+    bytes_to_unicode,
+    check_weights,
+    find_weights,
+    llama_config,
+    read_config,
+    read_tokenizer,
+    read_weights,
+    to_llama,
+)
 from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from .fileio import plain_modes
 from .model import IGNORE_INDEX, MoDTransformer
@@ -408,19 +418,48 @@ def export_llama(checkpoint: str | Path, out: str | Path) -> Path:
     return _write_folder(out, write)
 
 
+def _exported_config(directory: Path) -> MoDConfig:
+    """The `MoDConfig` an exported folder's config.json holds under ``mod``, or an error naming
+    the file."""
+    path = directory / "config.json"
+    hf = read_config(directory)
+    if hf.get("model_type") != MODEL_TYPE:
+        kind = hf.get("model_type")
+        raise ValueError(f"{directory} holds a {kind!r} model, not a {MODEL_TYPE!r} one")
+    mod = hf.get("mod")
+    if not isinstance(mod, dict):
+        got = json.dumps(mod)
+        raise bad_file(path, f'"mod" must be an object (the MoDConfig of the model), got {got}')
+    try:
+        return MoDConfig.from_dict(mod)
+    except (ValueError, TypeError) as exc:
+        raise bad_file(path, f"mod: {exc}") from None
+
+
 def import_pretrained(directory: str | Path, out: str | Path) -> Path:
-    """A transformers folder of a MoD model (`export_checkpoint`'s) as our checkpoint."""
-    config = AutoConfig.from_pretrained(directory)
-    if not isinstance(config, MoDHFConfig):
-        raise ValueError(
-            f"{directory} holds a {config.model_type!r} model, not a {MODEL_TYPE!r} one"
-        )
-    hf = MoDForCausalLM.from_pretrained(directory)
-    tokenizer = read_tokenizer(directory)
-    out = Path(out)
+    """A transformers folder of a MoD model (`export_checkpoint`'s) as our checkpoint.
+
+    The weights are read as `mixture_of_depths.convert` reads any folder: exactly the
+    safetensors files it names, each tensor checked against config.json before any is read;
+    a pickled ``pytorch_model.bin`` is refused, never loaded (transformers would unpickle it)."""
+    d, out = Path(directory), Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: pick another")
-    return save_checkpoint(out, hf.model, hf.model.config, tokenizer=tokenizer)
+    cfg = _exported_config(d)
+    weights = find_weights(d)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        want = {f"model.{k}": tuple(t.shape) for k, t in MoDTransformer(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        want.pop("model.lm_head.weight")  # stored once, as the embedding
+    check_weights(weights, want)
+    extra = sorted(set(weights.files) - set(want))
+    if extra:
+        raise bad_file(weights.source, f"tensor {extra[0]!r} is not in the model config.json names")
+    tensors = read_weights(weights)
+    model = MoDTransformer(cfg).to(tensors["model.embed.weight"].dtype)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()}, strict=False)
+    tokenizer = read_tokenizer(d)
+    return save_checkpoint(out, model, cfg, tokenizer=tokenizer)
 
 
 AutoConfig.register(MODEL_TYPE, MoDHFConfig)

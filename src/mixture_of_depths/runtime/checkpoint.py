@@ -494,13 +494,28 @@ def load_model(
     return model.to(map_location), config
 
 
+def _foreign(d: Path, config: dict[str, Any]) -> CheckpointError | None:
+    """What to do with a transformers folder (its config.json names a model type or classes; or
+    it has a weights index, which checkpoints never do) given where a checkpoint was expected."""
+    named = {"model_type", "architectures"} & config.keys()
+    if not named and not (d / "model.safetensors.index.json").exists():
+        return None
+    return CheckpointError(
+        f"{d} is a Hugging Face folder, not a checkpoint: run `mod convert --from-hf {d} --out "
+        "CKPT` first (or load it with transformers after `import mixture_of_depths.hf`)"
+    )
+
+
 def load_config(directory: str | Path) -> MoDConfig:
-    """The `MoDConfig` of a checkpoint, with errors that name its config.json."""
+    """The `MoDConfig` of a checkpoint, with errors that name its config.json (or say how to
+    convert the Hugging Face folder given in its place)."""
     path = resolve_checkpoint(directory) / "config.json"
+    obj = read_json_file(path)
+    foreign = _foreign(path.parent, obj)
+    if foreign is not None:
+        raise foreign
     try:
-        return MoDConfig.from_dict(read_json_file(path))
-    except CheckpointError:
-        raise
+        return MoDConfig.from_dict(obj)
     except (ValueError, TypeError) as exc:
         raise corrupt(path, str(exc)) from None
 
