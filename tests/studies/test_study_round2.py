@@ -16,6 +16,7 @@ import torch
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.data import corpus_files, make_tokenizer, split_files
 from mixture_of_depths.flops import estimate_flops
+from mixture_of_depths.studies import rounds
 from mixture_of_depths.studies.round2 import planning, profiles, running
 from mixture_of_depths.studies.round2 import report as rpt
 from mixture_of_depths.studies.runner import RunSpec, load_results, steps_for_budget
@@ -64,7 +65,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path):
 
 def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, monkeypatch):
     out, work = tmp_path / "out", tmp_path / "work"
-    real = running.run_one
+    real = rounds.run_one
     calls = []
 
     def flaky(spec, *a, **kw):
@@ -73,10 +74,10 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
         calls.append(spec.name)
         return real(spec, *a, **kw)
 
-    monkeypatch.setattr(running, "run_one", flaky)
+    monkeypatch.setattr(rounds, "run_one", flaky)
     with pytest.raises(KeyboardInterrupt):
         running.run(out, work, quick=True, data=tiny, progress=False)
-    monkeypatch.setattr(running, "run_one", real)
+    monkeypatch.setattr(rounds, "run_one", real)
     results = running.run(out, work, quick=True, data=tiny, progress=False)
     by = {r["name"]: r for r in results}
     assert len(by) == len(results)  # nothing ran twice
@@ -90,7 +91,7 @@ def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, 
     _check_what_each_run_kept(results, by, out)
     _check_the_report(results, out)
     assert not any(work.iterdir())  # run folders deleted once profiled
-    monkeypatch.setattr(running, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
+    monkeypatch.setattr(rounds, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
     assert len(running.run(out, work, quick=True, data=tiny, progress=False)) == len(results)
 
 
@@ -326,13 +327,13 @@ def test_twin_is_the_same_training_run_only():
     built = dataclasses.asdict(MoDConfig(**{**model, "vocab_size": 4096}))
     done = {**dataclasses.asdict(spec), "name": "long-pred-warm-s0", "group": "longer",
             "evaluations": 10, "model": built}  # fmt: skip
-    assert running._twin(spec, [done]) is done
+    assert rounds.twin(spec, [done]) is done
     for change in (dict(seed=1), dict(capacity_warmup=0.0), dict(batch_size=8), dict(seq_len=128),
                    dict(budget=1.5e13), dict(model={**model, "d_model": 64}),
                    dict(model={**model, "router_scores": "random"})):  # fmt: skip
-        assert running._twin(dataclasses.replace(spec, **change), [done]) is None, change
+        assert rounds.twin(dataclasses.replace(spec, **change), [done]) is None, change
     rand = dataclasses.replace(spec, model={**model, "router_scores": "random"})
-    assert running._twin(rand, [{**done, "model": {**built, "router_scores": "random"}}]) is None
+    assert rounds.twin(rand, [{**done, "model": {**built, "router_scores": "random"}}]) is None
 
 
 def _fake_run_one(calls: list[tuple[str, str]], pause: float):
@@ -364,13 +365,13 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     monkeypatch.setattr(running, "position_profile", lambda *a, **k: {})
     monkeypatch.setattr(running, "write_report", lambda *a, **k: None)
     solo: list[tuple[str, str]] = []
-    monkeypatch.setattr(running, "run_one", _fake_run_one(solo, 0.0))
+    monkeypatch.setattr(rounds, "run_one", _fake_run_one(solo, 0.0))
     one = running.run(tmp_path / "solo", tmp_path / "w1", quick=True, progress=False)
     assert len(one) > 20 and len(solo) == len({r["name"] for r in one if "same_run_as" not in r})
     solo_names = sorted(name for _, name in solo)
 
     calls: list[tuple[str, str]] = []
-    monkeypatch.setattr(running, "run_one", _fake_run_one(calls, 0.02))
+    monkeypatch.setattr(rounds, "run_one", _fake_run_one(calls, 0.02))
     out, work = tmp_path / "out", tmp_path / "work"
     mine: dict[int, list[str]] = {}
 
@@ -396,7 +397,7 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     # a claim is on what a run trains: twins share it (and are never trained twice), other
     # runs do not
     fields = [f.name for f in dataclasses.fields(RunSpec)]
-    key = {r["name"]: running._training_key(RunSpec(**{f: r[f] for f in fields})) for r in rows}
+    key = {r["name"]: rounds.training_key(RunSpec(**{f: r[f] for f in fields})) for r in rows}
     for r in rows:
         if "same_run_as" in r:
             assert key[r["name"]] == key[r["same_run_as"]]
@@ -410,9 +411,9 @@ def test_a_run_finished_while_we_claimed_it_is_not_trained_again(tmp_path, monke
     monkeypatch.setattr(running, "write_report", lambda *a, **k: None)
     calls: list[tuple[str, str]] = []
     fake = _fake_run_one(calls, 0.0)
-    monkeypatch.setattr(running, "run_one", fake)
+    monkeypatch.setattr(rounds, "run_one", fake)
     out, work = tmp_path / "out", tmp_path / "work"
-    seen, real_key, real_claim = [], running._training_key, running._claim
+    seen, real_key, real_claim = [], rounds.training_key, rounds.claim
 
     def key(spec):
         seen.append(spec)
@@ -426,8 +427,8 @@ def test_a_run_finished_while_we_claimed_it_is_not_trained_again(tmp_path, monke
             calls.clear()
         return real_claim(folder, name)
 
-    monkeypatch.setattr(running, "_training_key", key)
-    monkeypatch.setattr(running, "_claim", claim)
+    monkeypatch.setattr(rounds, "training_key", key)
+    monkeypatch.setattr(rounds, "claim", claim)
     rows = running.run(out, work, quick=True, progress=False, max_runs=2)
     first = seen[0].name
     assert first not in [name for _, name in calls]  # not trained again...
@@ -442,7 +443,7 @@ def test_a_claim_that_cannot_be_checked_is_an_error_not_a_wait(tmp_path):
         json.dumps({"host": "elsewhere", "pid": 1, "boot": "another-boot", "since": "then"})
     )
     with pytest.raises(RunLockedError, match="delete the lock file"):
-        running._claim(tmp_path, "x")
+        rounds.claim(tmp_path, "x")
 
 
 def test_mod_study_workers_launches_one_process_per_worker(tmp_path, monkeypatch, capsys):

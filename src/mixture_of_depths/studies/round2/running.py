@@ -1,28 +1,42 @@
-"""Running the second round: one process or several at once on the same folders (`mod study
---workers`), each claiming the next run nobody holds, recording its row under a lock and
-rewriting the report after each."""
+"""Running the second round: `rounds.run` with round 2's settings, plan and report, and what
+it measures of each trained model (`profile`)."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import hashlib
-import json
-import shutil
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
-from ...config import MoDConfig
-from ...fileio import json_text
-from ...runtime.runlock import RunLock, RunLockedError
-from ..runner import RunSpec, load_results, run_one
+from .. import rounds
+from ..runner import RunSpec
 from .planning import FOLDERS, FULL, QUICK, Round2Settings, plan
 from .profiles import position_profile, routing_profile
 from .report import write_report
+
+
+def profile(spec: RunSpec, s: Round2Settings, folder: Path, data: str | None) -> dict[str, Any]:
+    """What a round-2 row holds of its trained model: the ablations' routing profile, and every
+    run's held-out loss by place in the context (so that a grid row reusing it, a twin, has one
+    too)."""
+    row: dict[str, Any] = {}
+    if spec.group == "ablation" and spec.model.get("layer_pattern", "D") != "D":
+        row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
+    batch = s.grid.batch_size if spec.batch_size is None else spec.batch_size
+    seq_len = s.grid.seq_len if spec.seq_len is None else spec.seq_len
+    row["loss_by_position"] = position_profile(
+        folder / "checkpoint", data, batch, seq_len, s.grid.eval_batches
+    )
+    return row
+
+
+# Each looks its parts up here when called, so that tests can replace them in this module.
+ROUND2 = rounds.Round(
+    name="round 2",
+    folders=FOLDERS,
+    settings=lambda quick: QUICK if quick else FULL,
+    plan=lambda s, results: plan(s, results),
+    report=lambda results, out, s: write_report(results, out, s),
+    profile=lambda spec, s, folder, data: profile(spec, s, folder, data),
+)
 
 
 def run(
@@ -35,170 +49,6 @@ def run(
     worker: int | None = None,
     poll_s: float = 10.0,
 ) -> list[dict[str, Any]]:
-    """Run (or resume) the second round; returns all results and rewrites the report after each
-    run. `max_runs` stops after that many new runs (a slice of the study, resumable).
-
-    Several processes may run it at once on the same `out` and `work` (`mod study --workers`):
-    each claims the next run nobody holds (a lock per training run under ``<work>/.claims``,
-    so twins (`_twin`) never train twice either; the kernel drops it if its process dies),
-    appends its row under a lock, and waits while every run the results call for so far is
-    another worker's (their rows may call for more). A worker may finish a second seed that a
-    seed landing meanwhile took out of the plan (`_bracket` reads second seeds): its row is
-    kept, one more seed. `max_runs` counts this process's runs; `worker` names this process
-    in the one line it prints per finished run."""
-    s = QUICK if quick else FULL
-    out = Path(out if out is not None else FOLDERS.out_for(quick))
-    work = Path(work if work is not None else FOLDERS.work_for(quick))
-    (out / "metrics").mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.jsonl"
-    claims = work / ".claims"
-    results = load_results(results_path)
-    bar = tqdm(desc="round 2", unit="run", initial=len(results), disable=not progress)
-    new = 0
-    while max_runs is None or new < max_runs:
-        results[:] = load_results(results_path)  # with the other workers' rows
-        done = {r["name"] for r in results}
-        pending = [sp for sp in plan(s, results) if sp.name not in done]
-        if not pending:
-            break
-        claim, spec = _claim_next(claims, pending)
-        if claim is None:  # all of them another worker's
-            time.sleep(poll_s)
-            continue
-        try:  # released however the run ends; the kernel drops it if the process dies
-            results[:] = load_results(results_path)
-            if spec.name in {r["name"] for r in results}:
-                continue  # finished by another worker between our reading and our claim
-            bar.total = len(done) + len(pending)
-            bar.set_postfix_str(spec.name)
-            row, folder = _result_of(spec, s, results, out, work, data, progress)
-            with _waiting_lock(claims, "results"):  # one writer of the file and the report
-                _append_row(results_path, row)
-                results[:] = load_results(results_path)
-                write_report(results, out, s)
-            bar.update(1)
-            if worker is not None:
-                print(f"[worker {worker}] {row['name']}: causal loss "
-                      f"{row['val_loss_causal']:.4f}", flush=True)  # fmt: skip
-            if folder is not None:  # trained here, not reused
-                new += 1
-                shutil.rmtree(folder, ignore_errors=True)
-        finally:
-            claim.release()
-    bar.close()
-    with _waiting_lock(claims, "results"):
-        results[:] = load_results(results_path)
-        write_report(results, out, s)
-    with contextlib.suppress(OSError):
-        claims.rmdir()  # empty once no worker holds anything
-    return results
-
-
-def _claim_next(claims: Path, pending: list[RunSpec]) -> tuple[RunLock | None, RunSpec]:
-    """The first pending run that no other worker holds, claimed; (None, the last one) where
-    all are held."""
-    claim, spec = None, pending[0]
-    for spec in pending:
-        claim = _claim(claims, _training_key(spec))
-        if claim is not None:
-            break
-    return claim, spec
-
-
-def _append_row(results_path: Path, row: dict[str, Any]) -> None:
-    """Append `row` as a line of its own (the caller holds the results lock)."""
-    with results_path.open("a+b") as fh:  # appends go to the end, wherever we read
-        if fh.seek(0, 2) > 0:
-            fh.seek(-1, 2)
-            if fh.read(1) != b"\n":
-                fh.write(b"\n")  # end a line cut short by a kill: our row stays whole
-        fh.write((json_text(row) + "\n").encode())
-
-
-def _result_of(
-    spec: RunSpec,
-    s: Round2Settings,
-    results: list[dict[str, Any]],
-    out: Path,
-    work: Path,
-    data: str | None,
-    progress: bool,
-) -> tuple[dict[str, Any], Path | None]:
-    """`spec`'s result row, with its metrics copied to ``<out>/metrics``, and the run folder it
-    trained in (None where a finished twin's row is reused instead)."""
-    twin = _twin(spec, results)
-    if twin is not None:  # the same run, already done under another name: reuse it
-        row = {**twin, "name": spec.name, "group": spec.group, "label": spec.label,
-               "evaluations": spec.evaluations, "same_run_as": twin["name"]}  # fmt: skip
-        row.pop("profile", None)
-        shutil.copyfile(out / "metrics" / f"{twin['name']}.jsonl",
-                        out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
-        return row, None
-    row = run_one(spec, s.grid, work, data, progress)
-    folder = work / spec.name
-    shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
-    if spec.group == "ablation" and spec.model.get("layer_pattern", "D") != "D":
-        row["profile"] = routing_profile(folder / "checkpoint", data, s.profile_rows)
-    # every trained run, so that a grid row reusing it (`_twin`) has one too
-    batch = s.grid.batch_size if spec.batch_size is None else spec.batch_size
-    seq_len = s.grid.seq_len if spec.seq_len is None else spec.seq_len
-    row["loss_by_position"] = position_profile(
-        folder / "checkpoint", data, batch, seq_len, s.grid.eval_batches
-    )
-    return row, folder
-
-
-def _training_key(spec: RunSpec) -> str:
-    """What `spec` trains, as a lock name: runs that are each other's `_twin` share it."""
-    if spec.model.get("router_scores") == "random":  # never reused: see `_twin`
-        return spec.name
-    what = {k: getattr(spec, k) for k in ("budget", "seed", "seq_len", "batch_size",
-                                          "capacity_warmup")}  # fmt: skip
-    what["model"] = dataclasses.asdict(MoDConfig(**spec.model))
-    text = json.dumps(what, sort_keys=True, default=str)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return f"train-{digest}"
-
-
-def _claim(folder: Path, name: str) -> RunLock | None:
-    """This process's hold on `name`, or None where a live process holds it. A lock that
-    cannot be checked (a process on another machine) is an error, not a wait."""
-    while True:
-        try:
-            return RunLock(folder, f"{name}.lock").acquire()
-        except RunLockedError as exc:
-            if not exc.held:
-                raise
-            return None
-        except FileNotFoundError:  # a finishing worker removed the empty folder under us
-            continue
-
-
-@contextlib.contextmanager
-def _waiting_lock(folder: Path, name: str) -> Iterator[None]:
-    """Hold the lock `folder/name`, waiting for it while another process does."""
-    lock = _claim(folder, name)
-    while lock is None:
-        time.sleep(0.05)
-        lock = _claim(folder, name)
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def _twin(spec: RunSpec, results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """A finished run that trained exactly what `spec` would: the same model, budget, seed,
-    context, batch and warm-up (the grid's size-S runs at the ablation and longer budgets are
-    the ablations' dense and MoD-arm runs again). Evaluations do not change training, except
-    where random routing draws its noise at evaluation too, so those are never reused."""
-    if spec.model.get("router_scores") == "random":
-        return None
-    keys = ("budget", "seed", "seq_len", "batch_size", "capacity_warmup")
-    for r in results:
-        if any(r.get(k) != getattr(spec, k) for k in keys):
-            continue
-        vocab = r["model"].get("vocab_size")
-        if MoDConfig(**{**spec.model, "vocab_size": vocab}) == MoDConfig(**r["model"]):
-            return r
-    return None
+    """Run (or resume) the second round (`rounds.run`): one process, or one of several at once
+    (`mod study --plan round2 --workers N`)."""
+    return rounds.run(ROUND2, out, work, quick, data, progress, max_runs, worker, poll_s)
