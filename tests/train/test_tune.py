@@ -132,3 +132,35 @@ def test_capacity_warmup_defaults_to_a_tenth_of_the_steps_and_resume_keeps_it(co
     del state["train_config"]["capacity_warmup_ratio"], state["capacity_warmup_steps"]
     state_path.write_text(json.dumps(state))
     assert resume_config(tmp_path / "ratio", {"steps": 40}).capacity_warmup_ratio == 0.0
+
+
+def test_a_run_from_a_checkpoint_records_and_keeps_its_tokenizer(corpus, tmp_path, capsys):
+    """A run from a checkpoint's weights uses that checkpoint's tokenizer: run.json and
+    trainer.json say which; a --tokenizer naming another is refused, saying so; a resumed tuning
+    run (tokenizer among the fixed settings) goes on."""
+    from mixture_of_depths.data import BPETokenizer
+
+    bpe = BPETokenizer.train(sorted(corpus.iterdir()), vocab_size=300)
+    cfg = MoDConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
+    start = save_checkpoint(tmp_path / "bpe", MoDTransformer(cfg), cfg, tokenizer=bpe)
+    common = ["--data", str(corpus), "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
+              "--batch-size", "2", "--seq-len", "32", "--no-progress"]  # fmt: skip
+    out = tmp_path / "tuned"
+    assert main(["tune-routers", str(start), "--out", str(out), *common]) == 0
+    assert json.loads((out / "run.json").read_text())["train"]["tokenizer"] == "bpe"
+    state = json.loads((out / "checkpoint" / "trainer.json").read_text())
+    assert state["train_config"]["tokenizer"] == "bpe"
+    resumed = ["tune-routers", str(start), "--out", str(out), *common, "--steps", "3", "--resume"]
+    assert main(resumed) == 0
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    argv = ["tune-routers", str(start), "--out", str(refused), *common, "--tokenizer", "byte"]
+    assert main(argv) == 2
+    assert f"--tokenizer byte: a run from {start} uses that checkpoint's tokenizer (bpe, " in (
+        capsys.readouterr().err
+    )
+    byte = converted(tmp_path)
+    argv = ["train", "--init-from", str(byte), "--out", str(refused), *common, "--tokenizer", "bpe"]
+    assert main(argv) == 2
+    assert "uses that checkpoint's tokenizer (byte, 257 tokens)" in capsys.readouterr().err
+    assert not refused.exists()

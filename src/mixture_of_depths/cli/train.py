@@ -18,6 +18,7 @@ from ..train import (
     resume_config,
     train,
 )
+from ..train.setup import refuse_other_tokenizer
 from .flags import DEFAULT_PRESET, add_dataclass_flags, add_preset_flag, given
 
 
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         tc = resume_config(train_over.get("out", TrainConfig.out), train_over)
         summary = train(None, tc, resume=True, progress=not args.no_progress)
     elif train_over.get("init_from"):
+        if "tokenizer" in train_over:  # given on the command line: not silently another one
+            refuse_other_tokenizer(train_over["init_from"], train_over["tokenizer"])
         tc = TrainConfig(**train_over)
         summary = train(None, tc, overwrite=args.overwrite, progress=not args.no_progress)
     else:

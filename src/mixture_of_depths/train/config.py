@@ -28,7 +28,9 @@ class TrainConfig:
 
     out: str = "runs/mod"
     data: str | None = None  # None: the Python standard library's source (embedded, no download)
-    tokenizer: str = "byte"  # "byte" or "bpe" (trained on the training split, saved with the model)
+    # "byte" or "bpe" (trained on the training split, saved with the model). A run from
+    # `init_from` uses that checkpoint's tokenizer, and records its kind here.
+    tokenizer: str = "byte"
     bpe_vocab_size: int = 4096
     batch_size: int = 16
     seq_len: int | None = None  # None: the model's max_seq_len

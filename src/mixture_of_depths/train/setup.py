@@ -18,6 +18,7 @@ import torch
 from ..config import MoDConfig
 from ..data import (
     BatchSampler,
+    BPETokenizer,
     Tokenizer,
     corpus_files,
     eval_batches,
@@ -90,6 +91,8 @@ def start(
     if env.is_main:
         remove_stale_temps(out_dir)
     begin = _load_start(tc, resume, device)
+    if begin.tokenizer is not None and not resume:  # init_from: its tokenizer is the one used
+        tc = dataclasses.replace(tc, tokenizer=tokenizer_kind(begin.tokenizer))
     _refuse_existing_run(out_dir, resume, overwrite)
     torch.manual_seed(tc.seed)
     train_tokens, val_tokens, tokenizer = _load_data(tc, env, begin.tokenizer)
@@ -160,6 +163,23 @@ def _load_start(tc: TrainConfig, resume: bool, device: torch.device) -> _Start:
         refuse_nonfinite(ckpt, nonfinite_tensors(model_tensors(model)))
         return _Start(ckpt, None, model, config, load_tokenizer(ckpt))
     return _Start()
+
+
+def tokenizer_kind(tokenizer: Tokenizer) -> str:
+    """The `TrainConfig.tokenizer` choice that names `tokenizer`."""
+    return "bpe" if isinstance(tokenizer, BPETokenizer) else "byte"
+
+
+def refuse_other_tokenizer(init_from: str, asked: str) -> None:
+    """A run from checkpoint `init_from` uses that checkpoint's tokenizer (its model learned
+    those ids), so a --tokenizer given for it that names another is refused, not ignored."""
+    tokenizer = load_tokenizer(resolve_checkpoint(init_from))
+    kind = tokenizer_kind(tokenizer)
+    if asked != kind:
+        raise ValueError(
+            f"--tokenizer {asked}: a run from {init_from} uses that checkpoint's tokenizer "
+            f"({kind}, {tokenizer.vocab_size} tokens), not a new one; leave --tokenizer out"
+        )
 
 
 def _refuse_existing_run(out_dir: Path, resume: bool, overwrite: bool) -> None:
