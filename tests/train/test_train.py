@@ -208,6 +208,22 @@ def test_train_errors_are_clear(corpus: Path, tmp_path: Path):
         train(None, tc(corpus, tmp_path / "nothing"), resume=True, progress=False)
 
 
+def test_a_capacity_warmup_longer_than_the_run_is_refused(corpus: Path, tmp_path: Path, capsys):
+    """Longer than --steps, the warm-up never reaches the model's capacity: refused, naming both
+    values; as long as the run is fine, and a resume that extends --steps keeps it."""
+    from mixture_of_depths.train import resume_config
+
+    with pytest.raises(ValueError, match="--capacity-warmup 11 is longer than --steps 10"):
+        TrainConfig(steps=10, capacity_warmup=11)
+    assert TrainConfig(steps=10, capacity_warmup=10).capacity_warmup == 10
+    argv = ["train", "--steps", "4", "--capacity-warmup", "5", "--out", str(tmp_path / "x")]
+    assert main(argv) == 2
+    assert "--capacity-warmup 5 is longer than --steps 4" in capsys.readouterr().err
+    out = tmp_path / "run"
+    train(MoDConfig(**TINY), tc(corpus, out, steps=3, capacity_warmup=3), progress=False)
+    assert resume_config(out, {"steps": 6}).capacity_warmup == 3
+
+
 def test_cli_train_eval_resume_smoke(corpus: Path, tmp_path: Path, capsys):
     out = tmp_path / "run"
     args = [

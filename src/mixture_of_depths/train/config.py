@@ -91,6 +91,12 @@ class TrainConfig:
             raise ValueError(f"data must be a path (a string) or None, got {self.data!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
+        if self.capacity_warmup > self.steps:  # (a resume may extend steps: never below it)
+            raise ValueError(
+                f"--capacity-warmup {self.capacity_warmup} is longer than --steps {self.steps}: "
+                "the run would end before the capacity came down to the model's; give "
+                f"--capacity-warmup {self.steps} or less (or --capacity-warmup-ratio)"
+            )
 
 
 # The allowed values of the string fields (also the CLI's choices).
