@@ -4,6 +4,7 @@ routed blocks each token took."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -44,6 +45,23 @@ _HEAT = (244, 39, 45, 48, 118, 226, 214, 208, 202, 196)
 
 def _heat(count: int, total: int) -> int:
     return _HEAT[0] if count == 0 else _HEAT[1 + round((count / total) * (len(_HEAT) - 2))]
+
+
+# C0 controls but tab and newline, DEL, C1 controls: a model can emit any byte, and written raw to
+# a terminal they would move the cursor, retitle the window or clear the screen.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """`text` with control characters other than newline and tab as escapes (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _shown(out: Any) -> Any:
+    """What text goes through on its way to `out`: `visible` on a terminal; unchanged into a
+    file or a pipe, where the model's text is the data asked for."""
+    isatty = getattr(out, "isatty", None)
+    return visible if isatty is not None and isatty() else str
 
 
 def _paint(text: str, count: int, total: int) -> str:
@@ -95,7 +113,8 @@ def _stream_text(
         prefill=args.prefill,
     )
     out = sys.stdout
-    out.write(args.prompt)
+    safe = _shown(out)
+    out.write(safe(args.prompt))
     ids: list[int] = []
     shown = ""
     for st in steps:
@@ -104,10 +123,10 @@ def _stream_text(
         ids.append(st.tokens[0])
         text = tokenizer.decode(ids)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            out.write(text[len(shown) :])
+            out.write(safe(text[len(shown) :]))
             out.flush()
             shown = text
-    out.write(tokenizer.decode(ids)[len(shown) :] + "\n")
+    out.write(safe(tokenizer.decode(ids)[len(shown) :]) + "\n")
 
 
 def _stream_routing(
@@ -132,13 +151,14 @@ def _stream_routing(
         feed_last=True,
     )
     out = sys.stdout
+    safe = _shown(out)  # the model's text only: the colours around it are ours
     pending: list[int] = []
 
     def emit(tok: int, routing: torch.Tensor) -> None:
         pending.append(tok)
         piece = tokenizer.decode(pending)
         if not piece.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            out.write(_paint(piece, int(routing.sum()), len(names)))
+            out.write(_paint(safe(piece), int(routing.sum()), len(names)))
             out.flush()
             pending.clear()
 
