@@ -396,8 +396,7 @@ def test_workers_share_the_study_and_run_each_run_once(tmp_path, monkeypatch):
     assert not any(work.iterdir())  # claims released, run folders deleted
     # a claim is on what a run trains: twins share it (and are never trained twice), other
     # runs do not
-    fields = [f.name for f in dataclasses.fields(RunSpec)]
-    key = {r["name"]: rounds.training_key(RunSpec(**{f: r[f] for f in fields})) for r in rows}
+    key = {r["name"]: rounds.training_key(RunSpec.from_row(r)) for r in rows}
     for r in rows:
         if "same_run_as" in r:
             assert key[r["name"]] == key[r["same_run_as"]]

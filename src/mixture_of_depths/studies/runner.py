@@ -74,6 +74,13 @@ class RunSpec:
     # a capacity warm-up over this share of the run's steps (from 1.0 down to the capacity);
     # its extra FLOPs are charged to the budget
     capacity_warmup: float = 0.0
+    lr: float | None = None  # the peak learning rate (None: TrainConfig's)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> RunSpec:
+        """The spec of a result row (rows written before a field existed get its default)."""
+        fields = dataclasses.fields(cls)
+        return cls(**{f.name: row[f.name] for f in fields if f.name in row})
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,7 @@ def run_one(
         eval_batches=settings.eval_batches,
         log_every=log_every,
         seed=spec.seed,
+        **({} if spec.lr is None else {"lr": spec.lr}),
     )
     resume = has_checkpoint(out)  # .checkpoint.old counts: a kill between a write's renames
     t0 = time.perf_counter()
@@ -209,6 +217,8 @@ def _result_row(
         "tokens_per_s": summary["tokens"] / max(summary["train_time_s"], 1e-9),
         "wall_s": time.perf_counter() - t0,
     }
+    if summary.get("copy_probe"):
+        row["copy_probe"] = summary["copy_probe"]
     if cfg.has_experts:
         # The budget charged the bound (every slot a real expert, or the capacity's share);
         # these are what the run actually spent, from the shares it logged in training.

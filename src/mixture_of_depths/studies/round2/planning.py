@@ -305,6 +305,6 @@ def _second_seeds(rows: list[dict[str, Any]]) -> list[RunSpec]:
     for arch in ("dense", "MoD"):
         mine = [r for r in rows if r["label"].startswith(arch + " ")]
         for r in sorted(mine, key=lambda r: r["val_loss_causal"])[:2]:
-            spec = RunSpec(**{f.name: r[f.name] for f in dataclasses.fields(RunSpec)})
+            spec = RunSpec.from_row(r)
             out.append(dataclasses.replace(spec, name=r["name"][:-3] + "-s1", group="seed", seed=1))
     return out

@@ -66,10 +66,16 @@ def position_buckets(seq_len: int) -> list[int]:
 
 
 def position_profile(
-    ckpt: Path, data: str | None, batch_size: int, seq_len: int, n_batches: int
+    ckpt: Path,
+    data: str | None,
+    batch_size: int,
+    seq_len: int,
+    n_batches: int,
+    edges: list[int] | None = None,
 ) -> dict[str, Any]:
     """A trained model's held-out loss (causal routing) by place in the context, on the batches
-    training validated on: the mean over the places in each of `position_buckets`. Loss that
+    training validated on: the mean over the places in each bucket (`edges`, by default
+    `position_buckets`). Loss that
     falls with the place is what the model learns from its context (repeats, copying). On the
     CPU in float32, as the study trains, the place-weighted mean of the buckets is the run's
     causal validation loss (the trainer autocasts on a GPU; this runs in float32 on the CPU),
@@ -86,7 +92,7 @@ def position_profile(
             sums += nll.view_as(y).double().sum(0)
             rows += len(x)
     per_place = sums / rows
-    edges = position_buckets(seq_len)
+    edges = position_buckets(seq_len) if edges is None else edges
     return {
         "edges": edges,
         "loss": [float(per_place[a:b].mean()) for a, b in zip(edges, edges[1:], strict=False)],

@@ -1,0 +1,215 @@
+"""The third round's report: the deciding table (every arm against dense, with its seeds, the
+share of round 2's gap it closes, its copy score, its late-context loss and its gates), the
+per-run table, and the plots (copy score against tokens seen, loss by place, gates)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ...fileio import atomic_write_text, json_text
+from ..plots import pyplot
+from .planning import ARMS, Round3Settings, plan
+
+DENSE_LABEL, MOD_LABEL = ARMS[0].label, ARMS[1].label
+
+
+def by_arm(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows of each arm, in the order of `ARMS` (arms with no row yet left out)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for arm in ARMS:
+        rows = sorted((r for r in results if r["label"] == arm.label), key=lambda r: r["seed"])
+        if rows:
+            out[arm.label] = rows
+    return out
+
+
+def late_loss(row: dict[str, Any]) -> float | None:
+    """The mean held-out loss over the last bucket of places (the second half of the context)."""
+    prof = row.get("loss_by_position")
+    return prof["loss"][-1] if prof else None
+
+
+def evaluations(out: Path, name: str) -> list[dict[str, Any]]:
+    """The evaluation records of run `name`'s metrics (its copy, in ``<out>/metrics``)."""
+    path = out / "metrics" / f"{name}.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "val_loss_topk" in r]
+
+
+def last_gate(out: Path, row: dict[str, Any]) -> float | None:
+    """The median gate on chosen tokens of the first routed layer at the last evaluation."""
+    evals = evaluations(out, row["name"])
+    diag = evals[-1].get("routing_diag") if evals else None
+    if not diag:
+        return None
+    return next(iter(diag.values())).get("gate_chosen_p50")
+
+
+def _mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "" if v is None else format(v, fmt)
+
+
+def arm_summary(out: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """An arm's numbers over its seeds."""
+    losses = [r["val_loss_causal"] for r in rows]
+    return {
+        "seeds": len(rows),
+        "losses": losses,
+        "loss": statistics.fmean(losses),
+        "spread": max(losses) - min(losses),
+        "copy_score": _mean([r.get("copy_probe", {}).get("score") for r in rows]),
+        "late_loss": _mean([late_loss(r) for r in rows]),
+        "gate_p50": _mean([last_gate(out, r) for r in rows]),
+        "tokens": statistics.fmean(r["tokens"] for r in rows),
+    }
+
+
+def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str], dict]:
+    """The table of arms against dense, and the numbers behind it (for findings.json)."""
+    arms = {label: arm_summary(out, rows) for label, rows in by_arm(results).items()}
+    dense, mod = arms.get(DENSE_LABEL), arms.get(MOD_LABEL)
+    lines = [
+        "| arm | seeds | causal loss (each seed) | mean | spread | vs dense | gap closed | "
+        "copy score | loss, 2nd half of context | gate p50 (1st routed layer) | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, a in arms.items():
+        vs = closed = None
+        if dense:
+            vs = a["loss"] / dense["loss"] - 1
+        if dense and mod and label not in (DENSE_LABEL, MOD_LABEL) and mod["loss"] > dense["loss"]:
+            closed = (mod["loss"] - a["loss"]) / (mod["loss"] - dense["loss"])
+        a.update(vs_dense=vs, gap_closed=closed)
+        each = ", ".join(f"{v:.4f}" for v in a["losses"])
+        lines.append(
+            f"| {label} | {a['seeds']} | {each} | {a['loss']:.4f} | {a['spread']:.3f} | "
+            f"{_f(vs, '+.1%')} | {_f(closed, '.0%')} | {_f(a['copy_score'], '+.3f')} | "
+            f"{_f(a['late_loss'], '.4f')} | {_f(a['gate_p50'], '.3f')} | {a['tokens'] / 1e6:.1f}M |"
+        )
+    return lines, arms
+
+
+def run_table(out: Path, results: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| run | steps | params | val loss top-k | causal | copy score | loss by place "
+        "(buckets) | causal take-rate | train tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: r["name"]):
+        prof = r.get("loss_by_position")
+        places = " / ".join(f"{v:.2f}" for v in prof["loss"]) if prof else ""
+        take = ", ".join(f"{v:.1%}" for v in r.get("causal_take_rate", {}).values())
+        lines.append(
+            f"| {r['name']} | {r['steps']} | {r['params'] / 1e6:.2f}M | {r['val_loss_topk']:.4f} "
+            f"| {r['val_loss_causal']:.4f} | {_f(r.get('copy_probe', {}).get('score'), '+.3f')} "
+            f"| {places} | {take} | {r['tokens_per_s']:,.0f} |"
+        )
+    return lines
+
+
+def write_report(results: list[dict[str, Any]], out: Path, s: Round3Settings) -> None:
+    """report.md, findings.json and round3.png in `out`, from the results so far."""
+    out.mkdir(parents=True, exist_ok=True)
+    table, arms = deciding_table(out, results)
+    pending = [sp.name for sp in plan(s, results) if sp.name not in {r["name"] for r in results}]
+    lines = [*_intro(s), "## The deciding table", "", *table, "", *_reading(arms), ""]
+    notes = out / "notes.md"
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
+    lines += ["## Every run", "", *run_table(out, results), ""]
+    lines += [f"{len(results)} runs done, {len(pending)} planned still to run."]
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    atomic_write_text(out / "findings.json", json_text(arms, indent=1) + "\n")
+    if results:
+        try:
+            plot(results, out)
+        except Exception as exc:  # a plot is a convenience: the results are saved
+            print(f"note: round 3 plots failed: {exc!r}")
+
+
+def _intro(s: Round3Settings) -> list[str]:
+    g = s.grid
+    return [
+        "# Round 3: why MoD stops learning where dense learns to look back",
+        "",
+        f"Context {g.seq_len} tokens, batch {g.batch_size}, BPE (vocabulary 4096), "
+        f"{s.budget:.1e} training FLOPs per run: where round 2 found MoD furthest behind "
+        f"(dense {s.dense_size} against MoD {s.mod_size}, +15.2%). Each run evaluates "
+        f"{s.evaluations} times on {g.eval_batches * g.batch_size} windows, with the copy probe "
+        "(loss on the second copy of a repeated random sequence against the first; "
+        "`mixture_of_depths.probes`) and the gates of the routed layers. MoD arms: round 2's "
+        "(the predictor, a 10% capacity warm-up) and one change each. Losses are validation "
+        "nats per token, MoD's in causal routing. Generated by `mod study --plan round3`; "
+        "plots: `round3.png`.",
+        "",
+    ]
+
+
+def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
+    """The hypotheses, each with the number that bears on it (the words are in notes.md)."""
+    if DENSE_LABEL not in arms or MOD_LABEL not in arms:
+        return ["The reference pair is not in yet."]
+    gap = arms[MOD_LABEL]["loss"] - arms[DENSE_LABEL]["loss"]
+    lines = [
+        f"Round 2's gap, rerun: MoD {arms[MOD_LABEL]['loss']:.4f} against dense "
+        f"{arms[DENSE_LABEL]['loss']:.4f} ({gap:+.4f} nats; seed spreads "
+        f"{arms[MOD_LABEL]['spread']:.3f} and {arms[DENSE_LABEL]['spread']:.3f}).",
+        "",
+    ]
+    for label, a in arms.items():
+        if a.get("gap_closed") is not None:
+            lines.append(f"- {label}: closes {a['gap_closed']:.0%} of the gap ({a['seeds']} seeds)")
+    return lines
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> None:
+    """round3.png: copy score against tokens seen, loss by place, gate p50 against tokens."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    colors = {a.label: f"C{i % 10}" for i, a in enumerate(ARMS)}
+    for label, rows in by_arm(results).items():
+        for j, r in enumerate(rows):
+            evals = evaluations(out, r["name"])
+            tokens = [e["step"] * r["batch_size"] * r["seq_len"] / 1e6 for e in evals]
+            kw = dict(color=colors[label], alpha=1.0 if j == 0 else 0.35, lw=1.2)
+            kw["label"] = label if j == 0 else None
+            copy = [e.get("copy_probe", {}).get("score") for e in evals]
+            axes[0].plot(tokens, copy, "o-", ms=2.5, **kw)
+            gates = [next(iter(e["routing_diag"].values()))["gate_chosen_p50"]
+                     for e in evals if e.get("routing_diag")]  # fmt: skip
+            if gates:
+                axes[2].plot(tokens[-len(gates) :], gates, "o-", ms=2.5, **kw)
+        _loss_by_place(axes[1], label, rows, colors[label])
+    axes[0].set(xlabel="tokens seen (M)", ylabel="copy score (nats)", title="in-context copying")
+    axes[1].set(xscale="log", xlabel="place in the context", ylabel="held-out loss (nats)",
+                title="loss by place (mean over seeds)")  # fmt: skip
+    axes[2].set(xlabel="tokens seen (M)", ylabel="gate on chosen tokens, median",
+                title="first routed layer's gate")  # fmt: skip
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6.5)
+    fig.tight_layout()
+    tmp = out / ".round3.png.tmp"
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    tmp.replace(out / "round3.png")
+
+
+def _loss_by_place(ax: Any, label: str, rows: list[dict[str, Any]], color: str) -> None:
+    profs = [r["loss_by_position"] for r in rows if r.get("loss_by_position")]
+    if not profs:
+        return
+    edges = profs[0]["edges"]
+    mids = [max(1, (a + b) / 2) for a, b in zip(edges, edges[1:], strict=False)]
+    mean = [statistics.fmean(p["loss"][i] for p in profs) for i in range(len(mids))]
+    ax.plot(mids, mean, "o-", ms=3, color=color, label=label)

@@ -1,0 +1,105 @@
+"""Round 3's plan from its results, and a tiny round trained, resumed and reported: every row
+holds the copy probe and the loss by place of its trained model, the report the deciding table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from mixture_of_depths.config import MoDConfig
+from mixture_of_depths.studies import rounds
+from mixture_of_depths.studies.round3 import planning, running
+from mixture_of_depths.studies.round3 import report as rpt
+
+
+def _row(spec, loss: float) -> dict:
+    return {**dataclasses.asdict(spec), "val_loss_causal": loss}
+
+
+def test_round3_plans_each_arm_seed_by_seed_and_more_seeds_where_the_gap_closes():
+    s = planning.FULL
+    specs = planning.plan(s, [])
+    arms = [a for a in planning.ARMS if planning.supported(a)]
+    deciding = [a for a in arms if a.deciding]
+    assert len(specs) == 2 * len(arms) + len(deciding)
+    assert [sp.seed for sp in specs] == sorted(sp.seed for sp in specs)  # seed by seed
+    assert specs[0].label == "dense XS" and specs[1].label.startswith("MoD S (round 2")
+    for sp in specs:
+        arm = planning.arm_of(_row(sp, 0.0))
+        cfg = MoDConfig(**sp.model)
+        assert (sp.budget, sp.seq_len, sp.batch_size, sp.evaluations) == (1.5e14, 1024, 4, 10)
+        assert sp.lr == arm.lr and cfg.max_seq_len == 1024
+        if arm.arch == "MoD":
+            assert sp.capacity_warmup == 0.1 and cfg.causal_router == "predictor"
+            assert cfg.d_model == 96 and all(getattr(cfg, k) == v for k, v in arm.over.items())
+        else:
+            assert sp.capacity_warmup == 0.0 and cfg.is_dense
+            assert cfg.n_layers == (2 if arm.arch == "bare" else 4)
+    # an arm within the dense seeds' spread of dense gets their third seed too
+    st = next(a for a in arms if a.tag == "st")
+    dense = [_row(planning.spec_of(s, planning.ARMS[0], sd), v) for sd, v in ((0, 2.70), (1, 2.72))]
+    close = [_row(planning.spec_of(s, st, sd), 2.73) for sd in (0, 1)]
+    far = [_row(planning.spec_of(s, st, sd), 3.00) for sd in (0, 1)]
+    names = {sp.name for sp in planning.plan(s, dense + close)}
+    assert planning.spec_of(s, st, 2).name in names
+    assert planning.spec_of(s, st, 2).name not in {sp.name for sp in planning.plan(s, dense + far)}
+
+
+def test_arms_the_library_cannot_build_wait_in_the_plan(monkeypatch):
+    odd = planning.Arm("MoD S, something new", "new", "MoD", {"routing": "no-such-routing"})
+    monkeypatch.setattr(planning, "ARMS", (*planning.ARMS, odd))
+    assert not planning.supported(odd)
+    assert all(sp.label != odd.label for sp in planning.plan(planning.FULL, []))
+
+
+def test_lr_arms_train_apart_from_the_reference():
+    s = planning.FULL
+    ref = planning.spec_of(s, planning.ARMS[1], 0)
+    fast = next(a for a in planning.ARMS if a.tag == "mod-lr4e-3")
+    row = {**_row(ref, 3.1), "model": {**ref.model, "vocab_size": 4096}}  # as run_one writes
+    assert rounds.twin(planning.spec_of(s, fast, 0), [row]) is None  # not the same run
+    assert rounds.twin(ref, [row]) is row
+    assert rounds.training_key(planning.spec_of(s, fast, 0)) != rounds.training_key(ref)
+
+
+def test_place_edges_double_from_eight_to_the_context():
+    assert running.place_edges(1024) == [0, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert running.place_edges(64) == [0, 8, 16, 32, 64]
+
+
+@pytest.fixture()
+def two_arms(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    monkeypatch.setenv("MOD_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"f{i}.py").write_text(f"def f(x):\n    return x * {i}  # n{i}\n" * 200)
+    for module in (planning, rpt):  # the plan's arms; the report's
+        monkeypatch.setattr(module, "ARMS", planning.ARMS[:2])
+    monkeypatch.setattr(running, "QUICK", dataclasses.replace(running.QUICK, deciding_seeds=(0,)))
+    return str(data)
+
+
+def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch):
+    out, work = tmp_path / "out", tmp_path / "work"
+    rows = running.run(out, work, quick=True, data=two_arms, progress=False)
+    assert [r["label"] for r in rows] == ["dense XS", "MoD S (round 2's arm)"]
+    for r in rows:
+        assert r["copy_probe"]["score"] == pytest.approx(
+            r["copy_probe"]["loss_first"] - r["copy_probe"]["loss_second"]
+        )
+        assert r["loss_by_position"]["edges"] == running.place_edges(64)
+        evals = rpt.evaluations(out, r["name"])
+        assert len(evals) >= 2 and all("copy_probe" in e for e in evals)  # at least as planned
+        assert not (work / r["name"]).exists()  # the run folder went with its profile
+    mod = rows[1]
+    assert mod["causal_take_rate"] and rpt.last_gate(out, mod) is not None
+    text = (out / "report.md").read_text()
+    assert "## The deciding table" in text and "| dense XS | 1 |" in text
+    assert "0 planned still to run" in text and (out / "round3.png").exists()
+    found = json.loads((out / "findings.json").read_text())
+    assert found["dense XS"]["loss"] == pytest.approx(rows[0]["val_loss_causal"])
+    monkeypatch.setattr(rounds, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
+    assert len(running.run(out, work, quick=True, data=two_arms, progress=False)) == 2
