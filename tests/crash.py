@@ -14,6 +14,8 @@ kill or a lost machine):
   trash folder and before the rest;
 - ``shards``: inside a sharded checkpoint write, right after this rank wrote its shard file for
   the N-th time (the other ranks wait for it; the folder is not yet in place);
+- ``slow``: no fault, but a sleep of N milliseconds after each training log line (a run slow
+  enough for a test to send it a signal mid-run, tests/train/test_signals.py);
 - ``none``: no fault (the uninterrupted reference run, started the same way).
 
 Under torchrun (a worker of ``torchrun ... tests/crash.py POINT N ...``) only rank 0 of the first
@@ -26,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 
 def die() -> None:
@@ -57,6 +60,15 @@ def main() -> int:
             real_write(self, record)
             if "lm_loss" in record and hit():
                 die()
+
+        tr.MetricsLog.write = write
+    elif point == "slow":
+        real_write = tr.MetricsLog.write
+
+        def write(self, record):  # noqa: ANN001, ANN202
+            real_write(self, record)
+            if "lm_loss" in record:
+                time.sleep(n / 1000)
 
         tr.MetricsLog.write = write
     elif point == "tensors":

@@ -3,7 +3,8 @@
 `COMMANDS` is the command table, in the order `mod --help` lists them: each entry names the
 function that declares the command's flags (in the command's own module, beside its handler) and
 the handler. `main` parses, runs the handler, and turns the errors our code raises (which say
-what to do) into one line and exit status 2.
+what to do) into one line and exit status 2, and a run stopped by a signal (`TrainingStopped`)
+into its line and 128 + the signal's number (143 for SIGTERM, 130 for SIGINT).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.distributed import env_from_torchrun
 from ..runtime.malloc import keep_freed_memory
+from ..train import TrainingStopped
 from . import bench, checkpoints, evaluate, generate, inspect, models, study, train
 
 
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         keep_freed_memory()  # reuse freed blocks: page faults took a third of a BPE step on CPU
         return COMMANDS[args.command].run(args)
+    except TrainingStopped as exc:  # stopped cleanly, with a checkpoint: where, and how to resume
+        if env_from_torchrun().is_main:  # under torchrun, once for the job
+            print(f"mod {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (ValueError, OSError, RuntimeError) as exc:  # our errors say what to do
         print(f"mod {args.command}: error: {exc}", file=sys.stderr)
         return 2

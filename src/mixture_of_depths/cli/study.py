@@ -1,12 +1,15 @@
-"""`mod study`: the isoFLOP studies (resumable; rerun to go on)."""
+"""`mod study`: the isoFLOP studies (resumable; rerun to go on). A SIGTERM or SIGINT stops the
+run in training with its checkpoint, and the study with 128 + the signal's number."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ..studies import convert, isoflop, kv, mode, round2, workers
 from ..studies.runner import Plan, study
+from ..train import TrainingStopped
 
 # the plans `runner.study` runs; convert and round2 have loops of their own
 PLANS: dict[str, Plan] = {"isoflop": isoflop.ISOFLOP, "mode": mode.PLAN, "kv": kv.PLAN}
@@ -65,6 +68,15 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except TrainingStopped as exc:  # the run in training saved its checkpoint
+        print(f"mod study: {exc.what}; the study stopped: rerun the same command to resume it",
+              file=sys.stderr)  # fmt: skip
+        return exc.exit_code
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.workers != 1 and args.plan != "round2":
         raise ValueError(f"--workers applies to --plan round2 only, got {args.workers} with "
                          f"--plan {args.plan}")  # fmt: skip

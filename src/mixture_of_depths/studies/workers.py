@@ -45,7 +45,11 @@ def launch(
     print(f"{workers} workers, {threads} thread(s) each; results in {report_dir}/results.jsonl",
           flush=True)  # fmt: skip
     procs = [subprocess.Popen([*cmd, "--worker-index", str(i)], env=env) for i in range(workers)]
-    codes = _wait_all(procs)
+    codes, signum = _wait_all(procs)
+    if signum:  # each worker stopped its run with a checkpoint (or was between runs)
+        print(f"mod study: stopped by {signal.Signals(signum).name}: the workers saved their runs; "
+              "rerun the same command to resume the study", file=sys.stderr)  # fmt: skip
+        return 128 + signum
     bad = [c for c in codes if c != 0]
     if bad:
         print(f"mod study: {len(bad)} of {workers} workers failed (exit {bad[0]})",
@@ -55,25 +59,29 @@ def launch(
     return 0
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
-    """The exit codes of `procs`. A kill (SIGTERM) of this process stops them too; on an
-    interrupt, each gets a moment to stop on the Ctrl-C a terminal sent it as well, then one
-    of its own."""
+def _wait_all(procs: list[subprocess.Popen]) -> tuple[list[int], int]:
+    """The exit codes of `procs`, and the signal that stopped this process (0: none). A SIGTERM
+    of this process goes to them at once (a kill reached this process only); on an interrupt,
+    each gets a moment to stop on the Ctrl-C a terminal sent it as well, then a SIGTERM of its
+    own: a worker stops its run after the current step, with a checkpoint, on either, and a
+    second SIGINT would stop it at once, without one (`train.signals`)."""
+    got = []
 
-    def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+    def forward(signum: int, frame: object) -> None:
+        got.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
-        return [p.wait() for p in procs]
+        return [p.wait() for p in procs], (got[0] if got else 0)
     except KeyboardInterrupt:
         for p in procs:  # a terminal's Ctrl-C reached them too; a kill did not
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
-        raise
+                p.send_signal(signal.SIGTERM)
+        return [p.wait() for p in procs], signal.SIGINT
     finally:
         signal.signal(signal.SIGTERM, previous)

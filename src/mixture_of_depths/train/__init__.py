@@ -6,6 +6,7 @@ summary; `evaluate_checkpoint` is `mod eval`.
 - `state`: the `Run` being trained, and what of it a checkpoint keeps (`Run.state_dict`);
 - `resume`: the run folder: refusing what would lose a run, resuming it exactly, starting over;
 - `loop`: the steps, logs, evaluations and checkpoints;
+- `signals`: SIGTERM and SIGINT stop a run after a step, with a checkpoint (`TrainingStopped`);
 - `evaluate`: validation in top-k and causal routing; `report`: the lines, summary and plot;
 - `tune`: router tuning and distillation from the dense twin, the capacity warm-up.
 
@@ -24,6 +25,7 @@ from .evaluate import evaluate, evaluate_checkpoint, expert_slot_shares
 from .loop import TrainingDiverged, train
 from .report import format_eval, format_eval_lines, format_summary, mean_expert_share, plot_metrics
 from .resume import RUN_FILES, NoCheckpointError, has_checkpoint, resume_config, stream_fingerprint
+from .signals import TrainingStopped
 from .state import CHECKPOINT_NAME, MetricsLog, Run, pack_masks, unpack_masks
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "Run",
     "TrainConfig",
     "TrainingDiverged",
+    "TrainingStopped",
     "capacity_warmup_steps",
     "evaluate",
     "evaluate_checkpoint",

@@ -4,7 +4,8 @@ Each step: the batch of that step (a pure function of the seed and the step, so 
 reads the same tokens), forward, backward, clipping before AdamW. At log steps a JSON line; at
 evaluation steps validation in both routing modes, the routing probe, and an atomic checkpoint
 (also every `checkpoint_every` steps). A loss or gradient norm that is not finite stops the run
-at the next boundary, before anything after it is saved.
+at the next boundary, before anything after it is saved. SIGTERM and SIGINT stop it after a step,
+with a checkpoint (`signals`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .evaluate import evaluate, expert_slot_shares
 from .report import format_eval, mean_expert_share, plot_metrics
 from .resume import check_out
 from .setup import start
+from .signals import StopSignals, TrainingStopped, stopped
 from .state import Run
 from .tune import capacity_at, set_capacity
 
@@ -55,7 +57,10 @@ def train(
     A new run refuses an `out` that already holds a run unless `overwrite`, which deletes that
     run first. One run per folder: a lock (`runlock.RunLock`) refuses a second process. A loss or
     gradient norm that is not finite stops the run with `TrainingDiverged` at the next log or
-    eval boundary, before anything after it is saved. On the CPU a resumed run reproduces an
+    eval boundary, before anything after it is saved. SIGTERM or SIGINT (in the main thread)
+    stops the run after the current step (under torchrun: at the next log step) with a
+    checkpoint, and raises `TrainingStopped` once the lock is released; the previous handlers
+    are back when `train` returns or raises (`signals`). On the CPU a resumed run reproduces an
     uninterrupted one bit for bit; on CUDA, nondeterministic kernels (flash-attention backward,
     index_add) make even two uninterrupted runs differ slightly.
     """
@@ -67,19 +72,28 @@ def train(
         device = torch.device("cuda", env.local_rank)
     D.init(env, device)
     try:
-        # One run per folder: rank 0 holds the lock for the job.
-        with RunLock(out_dir) if env.is_main else contextlib.nullcontext():
-            run = start(model_config, tc, resume, overwrite, env, device)
-            summary = _train_loop(run, progress and env.is_main)
-        # Every rank done before the group is torn down: gloo aborts a process whose peers
-        # destroy the group while it still runs ("terminate called without an active exception").
-        D.barrier(env)
+        with StopSignals(announce=env.is_main, torchrun=env.active) as stop:
+            try:
+                # One run per folder: rank 0 holds the lock for the job.
+                with RunLock(out_dir) if env.is_main else contextlib.nullcontext():
+                    run = start(model_config, tc, resume, overwrite, env, device)
+                    summary = _train_loop(run, progress and env.is_main, stop)
+            except TrainingStopped:
+                D.barrier(env)  # the ranks stopped at the same step; none tears down early
+                raise
+            # Every rank done before the group is torn down: gloo aborts a process whose peers
+            # destroy the group while it still runs ("terminate called without an active
+            # exception").
+            D.barrier(env)
+            if stop.signum:  # after the last step: complete, but the caller was asked to stop
+                raise stopped(stop.signum, tc.steps, run.start_step, out_dir, run.ckpt_dir,
+                              env.active, complete=True)  # fmt: skip
         return summary
     finally:
         D.shutdown(env)
 
 
-def _train_loop(run: Run, progress: bool) -> dict[str, Any]:
+def _train_loop(run: Run, progress: bool, stop: StopSignals) -> dict[str, Any]:
     tc = run.tc
     last_eval: dict[str, Any] = {}
     bar = tqdm(
@@ -93,11 +107,13 @@ def _train_loop(run: Run, progress: bool) -> dict[str, Any]:
         mininterval=0.1 if sys.stderr.isatty() else 30.0,
     )
     try:
+        _stop_if_asked(run, stop, run.start_step, sync=True)  # a signal during set-up
         run.clock.start()
         for step in range(run.start_step, tc.steps):
             out, grad_norm, lr = _train_step(run, step)
             done = step + 1
-            if done % tc.log_every == 0 or done == tc.steps:
+            at_log = done % tc.log_every == 0 or done == tc.steps
+            if at_log:
                 _check_finite(run, done)
                 _log_step(run, done, out, grad_norm, lr, bar)
             bar.update(1)
@@ -108,11 +124,28 @@ def _train_loop(run: Run, progress: bool) -> dict[str, Any]:
                 _check_finite(run, done)
                 with run.clock.paused() as elapsed:  # kept out of tokens/s, as evals are
                     _checkpoint(run, done, elapsed)
+            if done < tc.steps:  # after the last, the run finishes first (see `train`)
+                _stop_if_asked(run, stop, done, sync=at_log)
     finally:
         bar.close()
     if not last_eval:  # resumed at the final step: nothing left to train
         last_eval = _evaluate(run)
     return _finish(run, last_eval)
+
+
+def _stop_if_asked(run: Run, stop: StopSignals, done: int, sync: bool) -> None:
+    """Raise `TrainingStopped` if a signal asked to stop (`sync`: under torchrun, whether this
+    step combines the ranks' requests), after a checkpoint of step `done` unless one is in place
+    (none before the first step: nothing was trained)."""
+    signum = stop.requested(run.env, sync)
+    if not signum:
+        return
+    if done > run.saved_step:
+        _check_finite(run, done)  # a diverged run stops as such, its garbage unsaved
+        with run.clock.paused() as elapsed:
+            _checkpoint(run, done, elapsed)
+    ckpt = run.ckpt_dir if run.saved_step else None
+    raise stopped(signum, done, run.start_step, run.out_dir, ckpt, run.env.active)
 
 
 def _train_step(run: Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
