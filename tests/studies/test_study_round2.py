@@ -478,7 +478,11 @@ def test_mod_study_workers_launches_one_process_per_worker(tmp_path, monkeypatch
         assert cli.main([*args, "--workers", bad]) == 2
         assert why in capsys.readouterr().err
     assert cli.main(["study", "--plan", "isoflop", "--workers", "2"]) == 2
-    assert "--workers applies to --plan round2 only, got 2" in capsys.readouterr().err
+    assert "--workers applies to --plan round2 and round3 only, got 2" in capsys.readouterr().err
+    launched.clear()
+    Popen.wait = lambda self: 0
+    assert cli.main(["study", "--plan", "round3", "--quick", "--workers", "2"]) == 0
+    assert [cmd[3:6] for cmd, _ in launched] == [["study", "--plan", "round3"]] * 2
 
 
 @pytest.mark.parametrize("layer_pattern", ["DR", "D"])

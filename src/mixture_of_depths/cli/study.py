@@ -7,12 +7,13 @@ import argparse
 import sys
 from typing import Any
 
-from ..studies import convert, isoflop, kv, mode, round2, workers
+from ..studies import convert, isoflop, kv, mode, round2, round3, workers
 from ..studies.runner import Plan, study
 from ..train import TrainingStopped
 
-# the plans `runner.study` runs; convert and round2 have loops of their own
+# the plans `runner.study` runs; convert has a loop of its own; the rounds plan from their results
 PLANS: dict[str, Plan] = {"isoflop": isoflop.ISOFLOP, "mode": mode.PLAN, "kv": kv.PLAN}
+ROUNDS = {"round2": round2, "round3": round3}
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -26,20 +27,22 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--plan",
         default="isoflop",
-        choices=["isoflop", "mode", "kv", "convert", "round2"],
+        choices=["isoflop", "mode", "kv", "convert", "round2", "round3"],
         help="isoflop: MoD against dense over sizes, with ablations; mode: dense, MoD, MoE, MoE "
         "with dropping, staged and integrated MoDE; kv: the KV strategies (skipped_kv none and "
         "residual) at two capacities and two lengths; convert: a pretrained dense model "
         "converted to MoD, untrained, router-tuned, distilled, fully fine-tuned (docs/convert; "
         "needs the [hf] extra); round2: the second round on BPE tokens: routing ablations with "
         "compute-matched random baselines and diagnostics, then the grid at 256 and 1024 tokens "
-        "of context with the winning causal router (docs/study/round2) (default: %(default)s)",
+        "of context with the winning causal router (docs/study/round2); round3: where MoD loses "
+        "(1024 tokens, 1.5e14 FLOPs), one arm per hypothesis of why, with the copy probe "
+        "(docs/study/round3) (default: %(default)s)",
     )
     p.add_argument(
         "--max-runs",
         type=int,
         default=None,
-        help="round2: stop after this many new runs, per worker (rerun to go on)",
+        help="round2, round3: stop after this many new runs, per worker (rerun to go on)",
     )
     p.add_argument(
         "--out",
@@ -56,7 +59,8 @@ def add_parser(sub: Any, name: str) -> None:
         "--workers",
         type=int,
         default=1,
-        help="round2: train this many runs at once, in separate processes sharing the cores "
+        help="round2, round3: train this many runs at once, in separate processes sharing the "
+        "cores "
         "(each with cores/workers threads): small models use one thread better than two "
         "(default: %(default)s)",
     )
@@ -77,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.workers != 1 and args.plan != "round2":
-        raise ValueError(f"--workers applies to --plan round2 only, got {args.workers} with "
-                         f"--plan {args.plan}")  # fmt: skip
+    if args.workers != 1 and args.plan not in ROUNDS:
+        raise ValueError(f"--workers applies to --plan round2 and round3 only, got "
+                         f"{args.workers} with --plan {args.plan}")  # fmt: skip
     if args.plan == "convert":
         results = convert.run(
             args.out, args.work, args.quick, args.data, progress=not args.no_progress
@@ -87,8 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         out = args.out or convert.FOLDERS.out_for(args.quick)
         print(f"{len(results)} models in {out}/results.jsonl; report: {out}/report.md")
         return 0
-    if args.plan == "round2":
-        return _round2(args)
+    if args.plan in ROUNDS:
+        return _round(args, ROUNDS[args.plan])
     plan = PLANS[args.plan]
     results = study(
         plan,
@@ -104,17 +108,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _round2(args: argparse.Namespace) -> int:
+def _round(args: argparse.Namespace, study_round: Any) -> int:
+    """A study that plans from its results (`studies.rounds`), in one process or `--workers`."""
     if args.max_runs is not None and args.max_runs < 1:
         raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
-    out = args.out or round2.FOLDERS.out_for(args.quick)
+    out = args.out or study_round.FOLDERS.out_for(args.quick)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.workers > 1:
         return workers.launch(
-            args.workers, args.out, args.work, args.data, args.max_runs, args.quick, out
+            args.workers,
+            args.out,
+            args.work,
+            args.data,
+            args.max_runs,
+            args.quick,
+            out,
+            plan=args.plan,
         )
-    results = round2.run(
+    results = study_round.run(
         args.out,
         args.work,
         args.quick,

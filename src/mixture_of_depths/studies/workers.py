@@ -1,5 +1,5 @@
-"""`mod study --plan round2 --workers N`: N processes of the second round, each claiming its own
-runs (`round2.run`), with the cores split between them: small models use one thread better than
+"""`mod study --plan round2|round3 --workers N`: N processes of a round, each claiming its own
+runs (`rounds.run`), with the cores split between them: small models use one thread better than
 two. Each worker prints a line per run it finishes; a bar per process would garble the terminal.
 """
 
@@ -26,15 +26,16 @@ def launch(
     max_runs: int | None,
     quick: bool,
     report_dir: str,
+    plan: str = "round2",
 ) -> int:
-    """Run `workers` processes of ``mod study --plan round2`` on the same folders (`out`, `work`:
-    None for the defaults) and wait for them all; the exit status is the first failure's, else
-    0. `report_dir` is where they write, for the messages."""
+    """Run `workers` processes of ``mod study --plan <plan>`` (a round: `studies.rounds`) on the
+    same folders (`out`, `work`: None for the defaults) and wait for them all; the exit status
+    is the first failure's, else 0. `report_dir` is where they write, for the messages."""
     cores = usable_cores()
     if workers > cores:
         raise ValueError(f"--workers must be at most the {cores} cores here, got {workers}")
     threads = max(1, cores // workers)
-    cmd = [sys.executable, "-m", "mixture_of_depths", "study", "--plan", "round2", "--no-progress"]
+    cmd = [sys.executable, "-m", "mixture_of_depths", "study", "--plan", plan, "--no-progress"]
     for flag, value in (("--out", out), ("--work", work), ("--data", data),
                         ("--max-runs", max_runs)):  # fmt: skip
         if value is not None:
