@@ -84,6 +84,37 @@ def expert_slot_shares(out: MoDOutput) -> dict[str, float]:
     return {str(er.layer): shares[er.layer] for er in out.expert_routes}
 
 
+def run_batches(
+    ckpt: Path,
+    tokenizer: Any,
+    max_seq_len: int,
+    data: str | None = None,
+    n_batches: int | None = None,
+    batch_size: int | None = None,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """The validation batches a checkpoint's run evaluated on (its data, sequence length, batch
+    size and number of batches, from ``trainer.json``; a given value overrides the run's, and
+    each must be >= 1), and the sequence length."""
+    for name, value in (("n_batches", n_batches), ("batch_size", batch_size)):
+        Range(lo=1, integer=True, optional=True).check(name, value)
+    saved: dict[str, Any] = {}
+    if (ckpt / "trainer.json").exists():
+        saved = read_json_file(ckpt / "trainer.json").get("train_config", {})
+        if not isinstance(saved, dict):
+            raise corrupt(ckpt / "trainer.json", "'train_config' must be an object")
+
+    def run_setting(name: str, given: Any, default: Any) -> Any:
+        value = given if given is not None else saved.get(name)
+        return default if value is None else value
+
+    data = run_setting("data", data, None)
+    seq_len = run_setting("seq_len", None, max_seq_len)
+    batch_size = run_setting("batch_size", batch_size, TrainConfig.batch_size)
+    n_batches = run_setting("eval_batches", n_batches, TrainConfig.eval_batches)
+    _, val_tokens, _ = load_splits(data, tokenizer)
+    return eval_batches(val_tokens, batch_size, seq_len, n_batches), seq_len
+
+
 def evaluate_checkpoint(
     checkpoint: str | Path,
     data: str | None = None,
@@ -106,22 +137,7 @@ def evaluate_checkpoint(
     model, cfg = load_model(ckpt, map_location=dev)
     tokenizer = load_tokenizer(ckpt)
     # Evaluate as the run did: its data and its sequence length (k = floor(capacity * T)).
-    saved: dict[str, Any] = {}
-    if (ckpt / "trainer.json").exists():
-        saved = read_json_file(ckpt / "trainer.json").get("train_config", {})
-        if not isinstance(saved, dict):
-            raise corrupt(ckpt / "trainer.json", "'train_config' must be an object")
-
-    def run_setting(name: str, given: Any, default: Any) -> Any:
-        value = given if given is not None else saved.get(name)
-        return default if value is None else value
-
-    data = run_setting("data", data, None)
-    seq_len = run_setting("seq_len", None, cfg.max_seq_len)
-    batch_size = run_setting("batch_size", batch_size, TrainConfig.batch_size)
-    n_batches = run_setting("eval_batches", n_batches, TrainConfig.eval_batches)
-    _, val_tokens, _ = load_splits(data, tokenizer)
-    batches = eval_batches(val_tokens, batch_size, seq_len, n_batches)
+    batches, seq_len = run_batches(ckpt, tokenizer, cfg.max_seq_len, data, n_batches, batch_size)
     out = {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
     if seq_len >= 4:  # in-context copying at the run's length
         with autocast_for(dev):
