@@ -13,6 +13,16 @@ from .planning import LEARNED, MOD, Round2Settings, mean_of, mod_arm, plan, winn
 from .plots import plot_diagnosis, plot_grid
 
 EDGE = "\u2020"  # marks a best size at the edge of the sizes tried
+EDGE_VERDICT = "at the grid's edge: not a measured win"
+
+
+def _edge_verdict(b: dict[str, Any], tried: list[str]) -> str:
+    """A budget's verdict, withdrawn where the losing curve's best size is the smallest or largest
+    tried: that curve's minimum may lie beyond it and close the gap."""
+    loser = {"MoD better": b["best_dense"], "dense better": b["best_mod"]}.get(b["verdict"])
+    if loser is not None and loser["label"].split(" ", 1)[1] in (tried[0], tried[-1]):
+        return EDGE_VERDICT
+    return b["verdict"]
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -162,7 +172,7 @@ def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]
                     f"| {seq_len} | {budget:.1e} | {d['label']} ({d['params'] / 1e6:.2f}M): "
                     f"{d['val_loss']:.4f} | {m['label']} ({m['params'] / 1e6:.2f}M): "
                     f"{m['val_loss_causal']:.4f} ({m['val_loss_topk']:.4f}) | "
-                    f"{-100 * b['mod_gain']:+.1f}% loss | {spread} | {b['verdict']} |"
+                    f"{-100 * b['mod_gain']:+.1f}% loss | {spread} | {_edge_verdict(b, tried)} |"
                 )
     if not lines:
         return []
@@ -174,7 +184,7 @@ def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]
         "",
         f"{EDGE} the smallest or largest size tried there (sizes run from {order[0]} to "
         f"{order[-1]}; the grid adds the next one out while one is left): that curve's minimum "
-        "may lie beyond it.",
+        "may lie beyond it, so a verdict against it is not a measured win.",
     ]
 
 
@@ -332,7 +342,12 @@ def _context_sections(results: list[dict[str, Any]], s: Round2Settings) -> list[
         rows = [r for r in results if r["group"] in ("isoflop", "seed") and r["seq_len"] == seq_len]
         if not rows:
             continue
-        head = format_findings(findings(rows))
+        found = findings(rows)
+        order = [n for n, _ in s.grid.sizes]
+        for b in found["budgets"]:
+            tried = {r["label"].split(" ", 1)[1] for r in rows if r["budget"] == b["budget"]}
+            b["verdict"] = _edge_verdict(b, sorted(tried, key=order.index))
+        head = format_findings(found)
         lines += [f"## isoFLOP grid, {seq_len} tokens of context (batch {batch})", ""]
         lines += [ln.replace("## Headline", "### Headline") for ln in head]
         pairs = size_for_size(rows, [n for n, _ in s.grid.sizes])
