@@ -26,7 +26,11 @@ MODES = [
     ("joint", "predictor"),
     ("staggered", "aux_loss"),
     ("staggered", "predictor"),
+    ("mlp", "aux_loss"),
+    ("mlp", "predictor"),
 ]
+# Each routing mode once, both causal routers among them: for the tests that need not run all.
+SOME_MODES = [("joint", "aux_loss"), ("staggered", "predictor"), ("mlp", "predictor")]
 
 
 # -- models and prompts -------------------------------------------------------------------------
@@ -55,10 +59,22 @@ def pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, lens
 
 
-def attn_router_column(model: MoDTransformer, layer: int) -> int:
-    """Index, in the routing decisions, of the router whose choice fills layer `layer`'s cache."""
+def attn_router_column(model: MoDTransformer, layer: int) -> int | None:
+    """Index, in the routing decisions, of the router whose choice fills layer `layer`'s cache;
+    None where every token fills it (a dense layer, or attention dense with routing="mlp")."""
+    if model.config.layer_kinds[layer] == "D" or model.config.routing == "mlp":
+        return None
     name = str(layer) if model.config.routing == "joint" else f"{layer}.attn"
     return router_names(model).index(name)
+
+
+def cached_tokens(model: MoDTransformer, layer: int, decisions_TR: torch.Tensor) -> torch.Tensor:
+    """(T,) bool: the tokens of one row that layer `layer` caches, from the row's routing
+    decisions (T, n_routers): those its attention's router took, or every token."""
+    col = attn_router_column(model, layer)
+    if col is None:
+        return torch.ones(decisions_TR.shape[0], dtype=torch.bool)
+    return decisions_TR[:, col]
 
 
 @torch.no_grad()

@@ -85,7 +85,7 @@ def dense_twin_with_same_weights(model: MoDTransformer) -> MoDTransformer:
 def unit_gates(monkeypatch) -> None:  # noqa: ANN001
     """g(r) = 1 for every routed block: a block every token takes then computes a dense block."""
     monkeypatch.setattr(
-        "mixture_of_depths.model.gate", lambda cfg, r, like: torch.ones_like(r, dtype=like.dtype)
+        "mixture_of_depths.routed.gate", lambda cfg, r, like: torch.ones_like(r, dtype=like.dtype)
     )
 
 

@@ -11,7 +11,9 @@ decision logit is > 0); the sub-block runs on the tokens of S alone, each attend
 S at or before its own position, rotated at its original position; token i in S becomes
 x_i + g(r_i) * f_i and every other token is left as it is. With ``skipped_kv="residual"`` the
 tokens of S attend instead to every token of the row at or before their position, keys and values
-made from the stream each token has at the layer's input.
+made from the stream each token has at the layer's input. With ``routing="mlp"`` every token of
+a routed layer first takes its attention as in a dense layer (x + a), and only the MLP is routed,
+its router reading x + a.
 """
 
 from __future__ import annotations
@@ -176,6 +178,10 @@ def predictor_logit(pred, x: Tensor) -> float:  # noqa: ANN001
     return float(w2 @ silu(w1 @ x + b1) + b2)
 
 
+def _add(xs: list[Tensor], fs: list[Tensor]) -> list[Tensor]:
+    return [x + f for x, f in zip(xs, fs, strict=True)]
+
+
 def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk") -> RefOutput:
     """Loop forward of `model` on `idx` (B, T); routing "topk" or "causal"."""
     cfg = model.config
@@ -191,15 +197,11 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
     for layer, block in enumerate(model.blocks):
         p = _Params(block, cfg)
         if cfg.layer_kinds[layer] == "D":
-            for b in range(B):
-                streams[b] = [
-                    x + f
-                    for x, f in zip(
-                        streams[b], block_update(p, streams[b], list(range(T))), strict=True
-                    )
-                ]
+            streams = [_add(xs, block_update(p, xs, list(range(T)))) for xs in streams]
             continue
-        kinds = ["block"] if cfg.routing == "joint" else ["attn", "mlp"]
+        if cfg.routing == "mlp":  # attention dense, as in a dense block; then the MLP's router
+            streams = [_add(xs, attn_update(p, xs, list(range(T)))) for xs in streams]
+        kinds = {"joint": ["block"], "staggered": ["attn", "mlp"], "mlp": ["mlp"]}[cfg.routing]
         for kind in kinds:
             w = block.router[kind].weight.detach().to(torch.float64)[0]
             mask = torch.zeros(B, T, dtype=torch.bool)
@@ -218,7 +220,8 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
                     chosen = chosen_topk
                 else:
                     decision = r if pl is None else pl
-                    chosen = [t for t in range(T) if decision[t] > 0]
+                    thr = cfg.causal_threshold(len(routes))  # routers in forward order
+                    chosen = [t for t in range(T) if decision[t] > thr]
                 # "residual": the chosen tokens' queries see keys of the whole row's stream
                 residual = cfg.skipped_kv == "residual" and kind != "mlp"
                 keys = (xs, list(range(T))) if residual else None

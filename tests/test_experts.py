@@ -171,7 +171,10 @@ VARIANTS = {
     "staged": dict(layer_pattern="RDR", n_experts=4),
     "integrated": dict(layer_pattern="D", n_experts=3, n_noop_experts=2, experts_per_token=2),
     "staged-predictor": dict(layer_pattern="RDR", n_experts=3, causal_router="predictor"),
-}
+    # routing="mlp": attention dense, the routed MLP an expert layer
+    "staged-mlp": dict(layer_pattern="RDR", n_experts=3, n_noop_experts=1, routing="mlp",
+                       causal_router="predictor"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -213,11 +216,14 @@ def test_expert_config_is_checked():
     assert MoDConfig(n_experts=4, experts_per_token=2).d_ff_expert == MoDConfig().d_ff // 2
 
 
+@pytest.mark.parametrize("mode", ["joint", "mlp"])
 @pytest.mark.parametrize("routing", ["topk", "causal"])
-def test_tokens_that_ran_a_real_expert_map_back_to_the_sequence(routing):
+def test_tokens_that_ran_a_real_expert_map_back_to_the_sequence(routing, mode):
     """A routed block's expert layer sees only its router's tokens: mapped back to (B, T), a
     token ran a real expert only if it took the block, and every kept slot lands on one token."""
-    model = _make_model(tiny_config(layer_pattern="RD", n_experts=3, n_noop_experts=2))
+    model = _make_model(
+        tiny_config(layer_pattern="RD", n_experts=3, n_noop_experts=2, routing=mode)
+    )
     idx = random_tokens(3, 20, seed=4)
     out = model(idx, routing=routing)
     take = {r.layer: r.mask for r in out.routes}
@@ -233,7 +239,7 @@ def test_tokens_that_ran_a_real_expert_map_back_to_the_sequence(routing):
                 assert torch.equal(ran, er.kept.any(-1) & take[er.layer])
         else:
             assert torch.equal(ran, er.kept.any(-1))
-    no_noop = _make_model(tiny_config(layer_pattern="RD", n_experts=3))
+    no_noop = _make_model(tiny_config(layer_pattern="RD", n_experts=3, routing=mode))
     out = no_noop(idx, routing=routing)
     for er in out.expert_routes:  # no no-ops, no capacity: exactly the takers ran an expert
         want = take_of(out, er.layer, idx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,9 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.cache import KVCache
+from mixture_of_depths.config import ROUTE_KINDS
 from mixture_of_depths.experts import ExpertMLP, slot_shares
 from mixture_of_depths.flops import decode_cost, estimate_flops, format_report, layer_shares
 from mixture_of_depths.generate import decode_step, prefill
+from mixture_of_depths.layers import MLP, Attention, Predictor
 
 BASE = dict(
     vocab_size=97,
@@ -47,7 +50,12 @@ CASES = [
     dict(layer_pattern="R", capacity=0.25, causal_router="predictor"),
     dict(layer_pattern="RRD", capacity=1.0, routing="staggered", causal_router="predictor"),
     dict(layer_pattern="DR", capacity=0.01),  # k = 0 on these lengths
+    # routing="mlp": attention dense in the routed layers, only the MLP routed
+    dict(layer_pattern="DR", capacity=0.25, routing="mlp"),
+    dict(layer_pattern="RRD", capacity=0.5, routing="mlp", causal_router="predictor"),
+    dict(layer_pattern="DR", capacity=0.01, routing="mlp"),  # k = 0: attention alone
 ]
+TRAIN_CASES = [*CASES[1:4], *CASES[6:8]]
 
 
 @pytest.mark.parametrize("over", CASES, ids=[str(c) for c in CASES])
@@ -61,7 +69,7 @@ def test_forward_equals_flop_counter(over, T):
     assert got == pytest.approx(want, rel=0.01), (got, want)
 
 
-@pytest.mark.parametrize("over", CASES[1:4], ids=[str(c) for c in CASES[1:4]])
+@pytest.mark.parametrize("over", TRAIN_CASES, ids=[str(c) for c in TRAIN_CASES])
 def test_training_step_equals_flop_counter(over):
     cfg = MoDConfig(**{**BASE, **over})
     model = MoDTransformer(cfg)
@@ -84,6 +92,24 @@ def test_routed_weight_flops_are_capacity_share_and_dense_twin_attached():
     assert rep.forward_causal < rep.forward
     text = format_report(rep)
     assert "dense twin" in text and "KV-cache bytes per token" in text
+
+
+def test_mlp_routing_prices_attention_dense_and_the_mlp_at_capacity():
+    """routing="mlp": a routed layer's attention costs a dense layer's (T queries over T keys)
+    and caches every token (KV bytes as the dense twin's); its MLP runs k = 12.5% of the tokens;
+    one router (and predictor) weighs every token."""
+    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "capacity": 0.125, "max_seq_len": 256})
+    mlp = dataclasses.replace(cfg, routing="mlp", causal_router="predictor")
+    rep, joint = estimate_flops(mlp, 256), estimate_flops(cfg, 256)
+    dense = rep.dense.layers[1]
+    assert rep.kv_bytes_per_token == rep.dense.kv_bytes_per_token
+    assert rep.layers[1].attention == dense.attention
+    assert rep.layers[1].attention_causal == dense.attention_causal
+    attn_mm = 2 * 256 * Attention.params(cfg)
+    assert rep.layers[1].matmul == pytest.approx(attn_mm + 2 * 32 * MLP.params(cfg))
+    assert rep.layers[1].router == joint.layers[1].router == 256 * 2 * cfg.d_model
+    assert rep.layers[1].predictor == 256 * Predictor.flops_per_token(cfg)
+    assert rep.layers[1].tokens == 256 and rep.layers[0] == joint.layers[0]
 
 
 def test_decode_expectation_follows_take_rate():
@@ -124,8 +150,11 @@ def test_mod_flops_cli(capsys):
         ),
         # aux_loss: r = x @ w decides, so w = 0 (r = 0, not > 0) is the only sure decision: skip.
         (dict(layer_pattern="DR", routing="staggered", causal_router="aux_loss"), [0, 0, 0, 0]),
+        # routing="mlp": every row attends over every cached token; only the MLP is decided
+        (dict(layer_pattern="RRD", routing="mlp", causal_router="predictor"), [1, 0, 1]),
+        (dict(layer_pattern="DR", routing="mlp", causal_router="aux_loss"), [0, 0]),
     ],
-    ids=["joint", "staggered", "aux_loss"],
+    ids=["joint", "staggered", "aux_loss", "mlp", "mlp-aux_loss"],
 )
 def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     """`decode_cost` (the sum of the kinds' cost functions, which the decode benchmark uses) counts
@@ -148,14 +177,15 @@ def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     assert flops == pytest.approx(fc.get_total_flops(), rel=1e-9)
 
 
-def test_decode_cost_matches_the_decode_expectation_of_estimate_flops():
+@pytest.mark.parametrize("routing", ["staggered", "mlp"])
+def test_decode_cost_matches_the_decode_expectation_of_estimate_flops(routing):
     """At the capacity as take-rate and cached share, the benchmark's per-token decode FLOPs are
     estimate_flops' decode_per_token; the bytes of a dense twin read every weight once."""
-    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "routing": "staggered"})
+    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "routing": routing})
     rep = estimate_flops(cfg, 64)
     c = cfg.capacity
-    shares = layer_shares(cfg, [c] * 2 * len(cfg.routed_layers))
-    cached = [a for a, _ in shares]
+    shares = layer_shares(cfg, [c] * len(ROUTE_KINDS[routing]) * len(cfg.routed_layers))
+    cached = [a for a, _ in shares]  # the attention's share: 1 where attention is dense
     flops, _ = decode_cost(cfg, shares, cached, 64)
     assert flops == pytest.approx(rep.decode_per_token)
     dense = cfg.dense_twin()
@@ -173,6 +203,7 @@ EXPERT_CASES = [
     dict(layer_pattern="D", **EXPERTS, expert_capacity_factor=0.5),  # dropping
     dict(layer_pattern="DR", capacity=0.25, **EXPERTS, n_noop_experts=3),  # staged + no-ops
     dict(layer_pattern="R", capacity=0.5, routing="staggered", **EXPERTS, experts_per_token=2),
+    dict(layer_pattern="DR", capacity=0.25, routing="mlp", **EXPERTS, n_noop_experts=2),
 ]
 
 

@@ -21,6 +21,7 @@ from generate_helpers import (
     MAX_LEN,
     MODES,
     N_NEW,
+    SOME_MODES,
     TOL64,
     assert_same_generation,
     causal_routes,
@@ -29,6 +30,7 @@ from generate_helpers import (
 )
 from helpers import V, random_tokens
 
+from mixture_of_depths.config import ROUTE_KINDS
 from mixture_of_depths.generate import (
     generate,
     generate_reference,
@@ -46,7 +48,7 @@ def test_cached_greedy_equals_reference(routing, causal_router):
     got = generate(model, prompts, N_NEW, temperature=0, return_logits=True, return_routing=True)
     exp = generate_reference(model, prompts, N_NEW)
     assert_same_generation(got, exp)
-    n_routers = 3 * (1 if routing == "joint" else 2)  # "RDR" on 4 layers: R D R R
+    n_routers = 3 * len(ROUTE_KINDS[routing])  # "RDR" on 4 layers: R D R R
     assert len(got.router_names) == n_routers
     for b, n in enumerate(LENS):
         assert got.routing[b].shape == (n + N_NEW, n_routers)
@@ -65,7 +67,7 @@ def test_dense_model_cached_equals_reference():
     assert got.router_names == [] and got.routing[0].shape == (LENS[0] + N_NEW, 0)
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp"])
 def test_float64_cached_logits_equal_full_recomputation(routing):
     """A float64 model decodes in float64: every step's logits equal the full causal forward's to
     1e-10 (read from `stream`, which hands out the logits in the model's dtype)."""
@@ -85,7 +87,7 @@ def test_float64_cached_logits_equal_full_recomputation(routing):
     assert steps == N_NEW
 
 
-@pytest.mark.parametrize("routing, causal_router", MODES[::3])
+@pytest.mark.parametrize("routing, causal_router", SOME_MODES)
 def test_batch_equals_each_prompt_alone(routing, causal_router):
     model = make_model(routing=routing, causal_router=causal_router, dtype=F64)
     prompts = make_prompts((9, 3, 14, 6), seed=2)
@@ -126,7 +128,8 @@ def _pick_eos(tokens: list[list[int]], n_new: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(
-    "routing, skipped_kv", [("joint", "none"), ("staggered", "none"), ("staggered", "residual")]
+    "routing, skipped_kv",
+    [("joint", "none"), ("staggered", "none"), ("staggered", "residual"), ("mlp", "none")],
 )
 def test_eos_stops_one_row_while_others_go_on(routing, skipped_kv):
     model = make_model(routing=routing, causal_router="predictor", dtype=F64, skipped_kv=skipped_kv)

@@ -11,14 +11,15 @@ from generate_helpers import (
     F64,
     LENS,
     MAX_LEN,
-    MODES,
     N_NEW,
+    SOME_MODES,
     TOL32,
     TOL64,
     HandDecoder,
     assert_same_generation,
-    attn_router_column,
+    cached_tokens,
     causal_routes,
+    make_config,
     make_model,
     make_prompts,
     pad,
@@ -42,8 +43,10 @@ from mixture_of_depths.generate import (
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("routing, causal_router", MODES[::3])
+@pytest.mark.parametrize("routing, causal_router", SOME_MODES)
 def test_cache_lengths_count_the_tokens_that_took_each_layer(routing, causal_router, dtype):
+    """Each layer caches the tokens that took it (with routing="mlp", whose attention is dense,
+    every token in every layer)."""
     model = make_model(routing=routing, causal_router=causal_router, dtype=dtype)
     cfg = model.config
     prompts = make_prompts()
@@ -62,7 +65,7 @@ def test_cache_lengths_count_the_tokens_that_took_each_layer(routing, causal_rou
                 if kind == "D":
                     expected = LENS[b] + step  # every token fed
                 else:
-                    expected = int(decisions[b][:, attn_router_column(model, layer)].sum())
+                    expected = int(cached_tokens(model, layer, decisions[b]).sum())
                 assert int(lengths[layer, b]) == expected, (step, layer, b)
         assert dec.cache.nbytes_used == int(lengths.sum()) * bytes_per_slot
     # The decisions made by hand are the full causal forward's (the oracle for the counts above),
@@ -72,7 +75,10 @@ def test_cache_lengths_count_the_tokens_that_took_each_layer(routing, causal_rou
             assert torch.equal(decisions[b], causal_routes(model, dec.seqs[b]))
     routed = [layer for layer, kind in enumerate(cfg.layer_kinds) if kind == "R"]
     lengths = dec.cache.lengths
-    assert (lengths[routed] < lengths[1]).all() and (lengths[routed] > 0).any()  # 1 is dense
+    if routing == "mlp":  # every token, as in the dense layer 1
+        assert torch.equal(lengths[routed], lengths[1].expand(len(routed), -1))
+    else:
+        assert (lengths[routed] < lengths[1]).all() and (lengths[routed] > 0).any()
 
 
 def test_cache_of_a_mostly_skipping_model_uses_less_than_it_allocates():
@@ -100,7 +106,18 @@ def test_cache_of_a_mostly_skipping_model_uses_less_than_it_allocates():
     assert small.nbytes_allocated < KVCache(cfg, 3, MAX_LEN, grow=False).nbytes_allocated
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
+def test_mlp_routed_layers_are_allocated_as_dense_ones():
+    """routing="mlp": attention is dense, so a routed layer caches every token and its buffer is
+    allocated at full size, not at a fraction of it."""
+    cfg = make_config(routing="mlp")
+    assert cfg.full_kv_layers == list(range(cfg.n_layers))
+    cache = KVCache(cfg, 2, MAX_LEN, grow=True)
+    assert all(cache.slots(layer) == MAX_LEN for layer in range(cfg.n_layers))
+    isolated = KVCache(make_config(routing="staggered"), 2, MAX_LEN, grow=True)
+    assert all(isolated.slots(layer) < MAX_LEN for layer in cfg.routed_layers)  # precondition
+
+
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp"])
 def test_unused_cache_slots_are_never_attended(routing):
     """Poison every slot past each row's length with huge values after prefill and after every
     step: decoding still equals the no-cache reference, so no unfilled slot (zero hole or a
@@ -125,8 +142,10 @@ def test_unused_cache_slots_are_never_attended(routing):
     assert (dec.cache.lengths < dec.cache.lengths.max()).any()  # precondition: rows of unequal use
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp"])
 def test_decode_runs_routed_blocks_only_on_the_rows_that_take_them(routing):
+    """A routed (sub-)block runs on the rows that take it, and only those append to a layer's
+    cache; with routing="mlp" attention runs on, and appends, every row."""
     model = make_model(
         routing=routing, causal_router="predictor", n_layers=3, layer_pattern="RDR", dtype=F64
     )
@@ -157,26 +176,29 @@ def test_decode_runs_routed_blocks_only_on_the_rows_that_take_them(routing):
             grown = dec.cache.lengths - before
             for layer in (0, 2):
                 for sub in ("attn", "mlp"):
-                    name = str(layer) if routing == "joint" else f"{layer}.{sub}"
-                    n_take = int(r_NR[:, names.index(name)].sum())
+                    if routing == "mlp" and sub == "attn":  # dense
+                        n_take = len(prompts)
+                    else:
+                        name = str(layer) if routing == "joint" else f"{layer}.{sub}"
+                        n_take = int(r_NR[:, names.index(name)].sum())
                     assert calls.get((layer, sub), []) == ([n_take] if n_take else []), (
                         layer,
                         sub,
                     )
                     partial += 0 < n_take < len(prompts)
-                col = r_NR[:, attn_router_column(model, layer)]
+                col = cached_tokens(model, layer, r_NR)
                 assert torch.equal(grown[layer], col.long())  # skipping rows add nothing
             assert (grown[1] == 1).all()  # the dense layer stores every row's token
     finally:
         for h in handles:
             h.remove()
     assert partial > 0  # precondition: some steps had some rows take and some skip
-    assert (dec.cache.lengths[2] == 0).all()
+    assert (dec.cache.lengths[2] == (0 if routing != "mlp" else dec.cache.lengths[1])).all()
     got = generate(model, prompts, N_NEW, temperature=0, return_logits=True, return_routing=True)
     assert_same_generation(got, generate_reference(model, prompts, N_NEW))
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp"])
 def test_cached_keys_are_rotated_at_original_positions(routing):
     """Slot j of a layer holds the key (rotated at its original position) and value of the j-th
     token that took that layer: compared with the unrotated keys of the full causal forward,
@@ -195,10 +217,8 @@ def test_cached_keys_are_rotated_at_original_positions(routing):
         seq = p + new[b]
         raw, routes = unrotated_keys_and_values(model, seq)
         for layer, kind in enumerate(cfg.layer_kinds):
-            if kind == "D":
-                took = list(range(len(seq)))
-            else:
-                took = routes[:, attn_router_column(model, layer)].nonzero()[:, 0].tolist()
+            took = cached_tokens(model, layer, routes).nonzero()[:, 0].tolist()
+            if kind == "R" and routing != "mlp":
                 assert 0 < len(took) < len(seq)
             assert int(cache.lengths[layer, b]) == len(took)
             for j, pos in enumerate(took):
@@ -248,7 +268,7 @@ def test_cache_past_max_len_raises_runtime_error():
 # -- top-k prefill ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp"])
 def test_topk_prefill_takes_capacity_tokens_per_row(routing):
     """prefill="topk" routes each prompt with the paper's top-k over that prompt alone: exactly
     capacity_tokens(capacity, len) tokens per row and routed (sub-)block, the choice and the
@@ -276,7 +296,8 @@ def test_topk_prefill_takes_capacity_tokens_per_row(routing):
     cache = KVCache(cfg, len(prompts), dtype=torch.float64)
     prefill(model, idx, lens_t, cache, mode="topk")
     for layer in cfg.routed_layers:
-        assert cache.lengths[layer].tolist() == [capacity_tokens(cfg.capacity, n) for n in lens]
+        want = lens if routing == "mlp" else [capacity_tokens(cfg.capacity, n) for n in lens]
+        assert cache.lengths[layer].tolist() == list(want)
 
 
 # -- the cache protocol through the model's forward ---------------------------------------------

@@ -15,32 +15,40 @@ from helpers import V, dense_twin_with_same_weights, unit_gates
 from model_helpers import STRICT, B, T, assert_matches_reference, make_model, tokens
 from reference import reference_forward, topk_set
 
-import mixture_of_depths.model
+import mixture_of_depths.blocks
 from mixture_of_depths import capacity_tokens
-from mixture_of_depths.routing import topk_indices
+from mixture_of_depths.config import ROUTE_KINDS
+from mixture_of_depths.routing import route_name, topk_indices
+
+MODES = ["joint", "staggered", "mlp"]  # config.ROUTING_MODES
 
 # -- the loop oracle ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("gate", ["raw", "sigmoid"])
 @pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("routing", ["topk", "causal"])
 def test_matches_reference(routing, mode, causal_router, gate):
     model = make_model(routing=mode, causal_router=causal_router, router_gate=gate)
     out, _ = assert_matches_reference(model, tokens(), routing)
     assert model.config.routed_layers == [0, 2, 3]  # "RDR" tiled on 4 layers: R D R R
-    assert len(out.routes) == 3 * (1 if mode == "joint" else 2)
+    assert [r.name for r in out.routes] == [
+        route_name(layer, kind) for layer in (0, 2, 3) for kind in ROUTE_KINDS[mode]
+    ]
     taken = torch.stack([r.mask for r in out.routes])
     assert taken.any() and not taken.all()  # routing is not trivial in this case
     if routing == "topk":
         assert (taken.sum(-1) == capacity_tokens(0.3, T)).all()
 
 
+@pytest.mark.parametrize("mode", ["joint", "mlp"])
 @pytest.mark.parametrize("routing", ["topk", "causal"])
-def test_matches_reference_mha_all_routed(routing):
+def test_matches_reference_mha_all_routed(routing, mode):
     """Plain multi-head attention, every block routed, a different capacity and length."""
-    model = make_model(seed=3, n_kv_heads=4, layer_pattern="R", n_layers=3, capacity=0.5)
+    model = make_model(
+        seed=3, n_kv_heads=4, layer_pattern="R", n_layers=3, capacity=0.5, routing=mode
+    )
     assert_matches_reference(model, tokens(4, 19, seed=3), routing)
 
 
@@ -62,12 +70,12 @@ def test_oracle_tolerance_tells_float64_from_float32(monkeypatch):
     ref = reference_forward(model, idx, "topk").logits
     torch.testing.assert_close(model(idx).logits, ref, **STRICT)
 
-    real = mixture_of_depths.model.rope_tables
+    real = mixture_of_depths.blocks.rope_tables
 
     def rope32(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         return tuple(t.float().double() for t in real(*args, **kwargs))
 
-    monkeypatch.setattr(mixture_of_depths.model, "rope_tables", rope32)
+    monkeypatch.setattr(mixture_of_depths.blocks, "rope_tables", rope32)
     err_rope = float((model(idx).logits.detach() - ref).abs().max())
     monkeypatch.undo()
     err_f32 = float((copy.deepcopy(model).float()(idx).logits.detach().double() - ref).abs().max())
@@ -78,39 +86,56 @@ def test_oracle_tolerance_tells_float64_from_float32(monkeypatch):
 
 
 def _record_routed_blocks(model):  # noqa: ANN001, ANN202
-    seen = []
+    """Per routed block call: (input, output, routes, the stream a token that skips every router
+    leaves with): the input, or with routing="mlp" the input plus its dense attention's update,
+    added as the block adds it."""
+    seen, attn_out = [], []
+
+    def on_attn(module, args, output):  # noqa: ANN001, ANN202
+        attn_out.append(output.detach())
 
     def hook(module, args, output):  # noqa: ANN001, ANN202
-        seen.append((args[0].detach().clone(), output[0].detach(), output[1]))
+        x_in = args[0].detach().clone()
+        x_skip = x_in + attn_out.pop() if module.dense_attention else x_in
+        seen.append((x_in, output[0].detach(), output[1], x_skip))
 
-    handles = [b.register_forward_hook(hook) for b in model.blocks if b.routed]
+    handles = []
+    for b in model.blocks:
+        if b.routed:
+            handles.append(b.register_forward_hook(hook))
+            if b.dense_attention:
+                handles.append(b.attn.register_forward_hook(on_attn))
     return seen, handles
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("routing", ["topk", "causal"])
 def test_skipped_tokens_are_bit_identical(routing, mode, dtype):
+    """A token that skips leaves bit for bit as it came (with routing="mlp": as the dense
+    attention left it, its MLP-less stream)."""
     model = make_model(routing=mode, dtype=dtype)
     seen, handles = _record_routed_blocks(model)
     model(tokens(), routing=routing)
     for h in handles:
         h.remove()
     assert len(seen) == 3
-    for x_in, x_out, routes in seen:
+    for x_in, x_out, routes, x_skip in seen:
         took = torch.zeros_like(routes[0].mask)
         for r in routes:
             took |= r.mask
         assert took.any() and (~took).any()
-        assert torch.equal(x_out[~took], x_in[~took])
-        assert (x_out[took] != x_in[took]).any(-1).all()  # the others really were updated
+        assert torch.equal(x_out[~took], x_skip[~took])
+        assert (x_out[took] != x_skip[took]).any(-1).all()  # the others really were updated
+        if mode == "mlp":  # attention updated every token
+            assert (x_skip != x_in).any(-1).all()
 
 
 @pytest.mark.parametrize(
     "capacity, length",
     [(0.29, 100), (0.57, 100), (0.58, 100), (0.3, 23), (0.125, 23), (0.5, 2), (1.0, 23)],
 )
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_topk_selects_exactly_k_per_row(capacity, length, mode):
     k = math.floor(Fraction(str(capacity)) * length)
     model = make_model(capacity=capacity, routing=mode, dtype=torch.float32)
@@ -128,17 +153,19 @@ def test_capacity_float_hazard_is_exercised():
     assert math.floor(0.58 * 100) == 57
 
 
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("capacity, length", [(0.01, 23), (0.5, 1), (0.125, 7)])
 def test_zero_capacity_leaves_stream_unchanged(capacity, length, mode):
-    """capacity * T < 1 gives k = 0: the routed block is the identity and nothing crashes."""
+    """capacity * T < 1 gives k = 0: the routed block is the identity (with routing="mlp", its
+    dense attention alone) and nothing crashes."""
     assert capacity_tokens(capacity, length) == 0
     model = make_model(capacity=capacity, routing=mode, dtype=torch.float32)
     idx = tokens(B, length, seed=2)
     seen, _ = _record_routed_blocks(model)
     out = model(idx, targets=idx, routing="topk")
-    for x_in, x_out, routes in seen:
-        assert torch.equal(x_out, x_in)
+    assert len(seen) == 3
+    for _, x_out, routes, x_skip in seen:
+        assert torch.equal(x_out, x_skip)
         assert all(not r.mask.any() and not r.target.any() for r in routes)
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -154,7 +181,7 @@ def test_topk_indices_sorted_exact_and_ties_to_earlier():
             assert idx[b].tolist() == topk_set(r[b].tolist(), k)
 
 
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_equal_router_weights_pick_the_earliest_tokens(mode):
     model = make_model(routing=mode, router_gate="sigmoid")
     with torch.no_grad():
@@ -202,7 +229,7 @@ def _change_after(idx: torch.Tensor, t: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_causal_mode_is_causal(mode, causal_router):
     model = make_model(routing=mode, causal_router=causal_router)
     idx = tokens()
@@ -217,7 +244,7 @@ def test_causal_mode_is_causal(mode, causal_router):
         assert not torch.allclose(out2.logits[:, t + 1 :], out.logits[:, t + 1 :])
 
 
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_topk_mode_is_not_causal(mode):
     """The same property fails for top-k routing: later tokens change earlier choices and logits."""
     model = make_model(routing=mode)
@@ -233,7 +260,7 @@ def test_topk_mode_is_not_causal(mode):
 # -- dense equivalence --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_full_capacity_with_unit_gate_equals_dense(mode, monkeypatch):
     model = make_model(routing=mode, capacity=1.0)
     dense = dense_twin_with_same_weights(model)
@@ -244,9 +271,10 @@ def test_full_capacity_with_unit_gate_equals_dense(mode, monkeypatch):
     torch.testing.assert_close(out.logits, dense(idx).logits, **STRICT)
 
 
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_causal_all_take_with_unit_gate_equals_dense(mode, monkeypatch):
-    """A predictor that always says "take" makes causal routing dense; "skip" makes it identity."""
+    """A predictor that always says "take" makes causal routing dense; "skip" makes it identity
+    (with routing="mlp", the dense attention alone)."""
     model = make_model(routing=mode, causal_router="predictor")
     dense = dense_twin_with_same_weights(model)
     idx = tokens()
@@ -269,5 +297,6 @@ def test_causal_all_take_with_unit_gate_equals_dense(mode, monkeypatch):
     seen, _ = _record_routed_blocks(model)
     out = model(idx, routing="causal")
     assert all(not r.mask.any() for r in out.routes)
-    for x_in, x_out, _ in seen:
-        assert torch.equal(x_out, x_in)
+    assert len(seen) == 3
+    for _, x_out, _, x_skip in seen:
+        assert torch.equal(x_out, x_skip)

@@ -17,6 +17,8 @@ from reference import topk_set
 
 from mixture_of_depths import MoDConfig, MoDTransformer, capacity_tokens
 
+MODES = ["joint", "staggered", "mlp"]  # config.ROUTING_MODES
+
 # -- gradients ----------------------------------------------------------------------------------
 
 
@@ -25,7 +27,7 @@ def _lm_loss64(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gate", ["raw", "sigmoid"])
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_router_learns_from_lm_loss_alone(mode, gate):
     """Top-k mode, aux_loss_weight=0: the LM loss reaches every router through g(r), correctly.
 
@@ -127,7 +129,7 @@ def _bce_by_hand(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("routing", ["topk", "causal"])
 def test_aux_targets_and_loss_per_row(routing, mode, causal_router):
     model = make_model(routing=mode, causal_router=causal_router, dtype=torch.float32)
@@ -205,7 +207,7 @@ def test_bad_targets_shape_raises():
         model(torch.zeros(1, 4, dtype=torch.long), targets=torch.zeros(1, 5, dtype=torch.long))
 
 
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("routing", ["topk", "causal"])
 def test_rows_are_independent(routing, mode):
     model = make_model(routing=mode, causal_router="predictor")
@@ -219,10 +221,10 @@ def test_rows_are_independent(routing, mode):
 
 
 @pytest.mark.parametrize("causal_router", ["aux_loss", "predictor"])
-@pytest.mark.parametrize("mode", ["joint", "staggered"])
+@pytest.mark.parametrize("mode", MODES)
 def test_routers_and_predictors_are_found_by_name(mode, causal_router):
     model = make_model(routing=mode, causal_router=causal_router, layer_pattern="DR")
-    kinds = ["block"] if mode == "joint" else ["attn", "mlp"]
+    kinds = {"joint": ["block"], "staggered": ["attn", "mlp"], "mlp": ["mlp"]}[mode]
     names = {n for n, _ in model.named_modules()}
     want = {f"blocks.{i}.router.{k}" for i in (1, 3) for k in kinds}
     assert {n for n in names if ".router." in n} == want
@@ -297,6 +299,7 @@ def test_random_routing_is_compute_matched_in_causal_mode():
         (dict(capacity=0.125, random_take_rates="0.05,0.3"), [0.05, 0.3]),
         (dict(capacity=0.25, routing="staggered", random_take_rates=[0.1, 0.2, 0.4, 0.6]),
          [0.1, 0.2, 0.4, 0.6]),
+        (dict(capacity=0.25, routing="mlp", random_take_rates="0.05,0.3"), [0.05, 0.3]),
     ):  # fmt: skip
         model = MoDTransformer(MoDConfig(**base, **extra)).eval()
         torch.manual_seed(0)
@@ -312,6 +315,8 @@ def test_random_routing_is_compute_matched_in_causal_mode():
         MoDConfig(**base, random_take_rates="0.1")
     with pytest.raises(ValueError, match="give 2 rates"):
         MoDConfig(**base, random_take_rates="0.1,1.5")
+    with pytest.raises(ValueError, match="give 2 rates"):  # routing="mlp": one router a layer
+        MoDConfig(**base, routing="mlp", random_take_rates="0.1,0.2,0.3,0.4")
     with pytest.raises(ValueError, match="needs router_scores='random'"):
         MoDConfig(**{**base, "router_scores": "learned"}, random_take_rates="0.1,0.2")
     # Random scores carry no predictor whatever causal_router says: the noise decides in both.

@@ -1,5 +1,6 @@
 """The KV-cache protocol the model's forward reads and writes, and `KVCache`, which holds only the
-tokens that took each layer (every token, in layers with ``skipped_kv="residual"``).
+tokens that took each layer (every token, in layers with ``skipped_kv="residual"`` or
+``routing="mlp"``).
 
 `MoDTransformer.forward(idx, cache=...)` is the one forward path of training, prefill and decode: a
 block that runs attention hands its new keys and values to the cache through `kv_hook`. On a
@@ -12,7 +13,8 @@ Layout of `KVCache`: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l,
 ``lengths[l, b]`` says how many slots of row b are filled. Slots are filled left to right with no
 holes: a routed layer appends a token only if the token took that layer (its attention sub-block,
 in staggered routing), so ``lengths[l, b]`` is the number of such tokens and slot j holds the j-th
-of them; with ``skipped_kv="residual"`` a routed layer stores every token, as a dense one does.
+of them; with ``skipped_kv="residual"``, or ``routing="mlp"`` (attention dense, only the MLP
+routed), a routed layer stores every token, as a dense one does.
 Keys are stored already rotated at the token's original position. Attention reads slots
 ``< lengths[l, b]`` only, so a slot that was never written is never attended.
 
@@ -125,7 +127,7 @@ class KVCache:
         shape = (batch_size, config.n_kv_heads, 0, config.head_dim)
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
-        full = set(config.full_kv_layers)  # dense layers; routed ones too with "residual"
+        full = set(config.full_kv_layers)  # dense layers; routed ones with "residual" or "mlp"
         for layer in range(config.n_layers):
             slots = max_len
             if grow and layer not in full:

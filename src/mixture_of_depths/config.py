@@ -19,7 +19,15 @@ from typing import Any, NamedTuple
 from .checks import POSITIVE, POSITIVE_INT, SHARE, Range, check_choice, check_fields
 from .fileio import atomic_write_text
 
-ROUTING_MODES = ("joint", "staggered")
+# The sub-blocks each routing mode routes, one router each (docs/semantics.md, "Joint, staggered
+# and MLP-only routing"): the whole block; attention and the MLP apart; only the MLP, with
+# attention dense in every layer.
+ROUTE_KINDS: dict[str, tuple[str, ...]] = {
+    "joint": ("block",),
+    "staggered": ("attn", "mlp"),
+    "mlp": ("mlp",),
+}
+ROUTING_MODES = tuple(ROUTE_KINDS)
 ROUTER_GATES = ("raw", "sigmoid", "straight_through", "sigmoid_stopgrad")
 CAUSAL_ROUTERS = ("aux_loss", "predictor")
 # What a routed layer's attention keeps of the tokens that skip it (docs/semantics.md, "KV
@@ -98,7 +106,7 @@ class MoDConfig:
     max_seq_len: int = 256
     layer_pattern: str = "DR"
     capacity: float = 0.125
-    routing: str = "joint"
+    routing: str = "joint"  # ROUTE_KINDS: "joint", "staggered" or "mlp" (attention dense)
     router_gate: str = "sigmoid"
     # "predictor": a small MLP on the block's detached input predicts each token's top-k
     # membership, so the router learns from the LM loss alone; "aux_loss": the router's own
@@ -112,6 +120,10 @@ class MoDConfig:
     # either way compute-matched, not the 50% a threshold of 0 on N(0, 1) noise would give.
     router_scores: str = "learned"
     random_take_rates: str = ""
+    # Per router in forward order, the threshold a causal decision's score must exceed (the
+    # aux-loss router's logit, or the predictor's); () is 0 for every router. `mod calibrate`
+    # fits them so that each causal take-rate on held-out text is the capacity.
+    causal_thresholds: tuple[float, ...] = ()
     # The weight of the causal-router loss (the router's BCE, or the predictor's). None: the
     # study's best for the causal router, 0.1 for the predictor (whose BCE never reaches the LM)
     # and 0.01 for the aux loss (0.1 and 1.0 make the router pick what is easy to predict).
@@ -183,7 +195,15 @@ class MoDConfig:
         object.__setattr__(self, "capacity", float(self.capacity))
         for name, allowed in FIELD_CHOICES.items():
             check_choice(name, getattr(self, name), allowed)
+        if self.routing == "mlp" and self.skipped_kv == "residual":
+            # Refused rather than ignored: it would name a strategy that changes nothing.
+            raise ValueError(
+                "skipped_kv='residual' has no effect with routing='mlp': attention is already "
+                "dense in every layer (every token's key and value are computed and cached); "
+                "use skipped_kv='none'"
+            )
         self._check_random_take_rates()
+        self._check_causal_thresholds()
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 
@@ -203,7 +223,7 @@ class MoDConfig:
                 f"random_take_rates={self.random_take_rates!r} needs router_scores='random', "
                 f"where the noise itself decides (got router_scores={self.router_scores!r})"
             )
-        n = len(self.routed_layers) * (1 if self.routing == "joint" else 2)
+        n = len(self.routed_layers) * len(ROUTE_KINDS[self.routing])
         try:
             rates = [float(v) for v in self.random_take_rates.split(",")]
         except ValueError:
@@ -214,6 +234,36 @@ class MoDConfig:
                 f"and 1, one per router in layer order ({len(self.routed_layers)} routed layers, "
                 f"{self.routing} routing)"
             )
+
+    def _check_causal_thresholds(self) -> None:
+        given = self.causal_thresholds
+        try:  # from JSON a list, from Python any sequence: stored as a tuple of floats
+            values = tuple(float(v) for v in given)
+        except (TypeError, ValueError):
+            values = None
+        if isinstance(given, str) or values is None or not all(map(math.isfinite, values)):
+            raise ValueError(
+                f"causal_thresholds must be finite numbers, one per router, got {given!r}"
+            )
+        if values and len(values) != self.n_routers:
+            raise ValueError(
+                f"causal_thresholds={values!r}: give {self.n_routers} thresholds, one per router "
+                f"in forward order ({len(self.routed_layers)} routed layers, {self.routing} "
+                "routing), or none"
+            )
+        if values and self.router_scores == "random":
+            raise ValueError("causal_thresholds need learned router scores (random ones decide "
+                             "by their own noise)")  # fmt: skip
+        object.__setattr__(self, "causal_thresholds", values)
+
+    @property
+    def n_routers(self) -> int:
+        """Routers in the model: one per routed layer and route kind (`ROUTE_KINDS`)."""
+        return len(self.routed_layers) * len(ROUTE_KINDS[self.routing])
+
+    def causal_threshold(self, router: int) -> float:
+        """The threshold of router number `router` (forward order) on its causal score."""
+        return self.causal_thresholds[router] if self.causal_thresholds else 0.0
 
     def random_take_rate(self, router: int) -> float:
         """The causal take-probability of random router number `router` (in layer order)."""
@@ -280,9 +330,10 @@ class MoDConfig:
 
     @property
     def full_kv_layers(self) -> list[int]:
-        """The layers whose KV cache holds every token: dense ones, and with
-        ``skipped_kv="residual"`` routed ones too."""
-        routed = set() if self.skipped_kv == "residual" else set(self.routed_layers)
+        """The layers whose KV cache holds every token: dense ones, and routed ones too with
+        ``skipped_kv="residual"`` or ``routing="mlp"`` (attention dense)."""
+        every = self.skipped_kv == "residual" or self.routing == "mlp"
+        routed = set() if every else set(self.routed_layers)
         return [i for i in range(self.n_layers) if i not in routed]
 
     @property

@@ -19,7 +19,8 @@ that take each routed layer (`take_rate`, the capacity by default): a routed lay
 
 With ``skipped_kv="residual"`` a routed layer also projects the key and value of every token that
 skips it (training and decode), its queries attend over all tokens' keys, and it caches every
-token: KV bytes per token as a dense layer's.
+token: KV bytes per token as a dense layer's. With ``routing="mlp"`` a routed layer's attention is
+a dense layer's (every token, every key, every token cached) and only its MLP is routed.
 
 Every figure is a sum of the layer kinds' own cost functions (`model.BLOCKS[kind].cost`, priced by
 the modules in layers.py), so a new block kind brings its FLOPs with it.
@@ -44,7 +45,7 @@ class LayerFlops:
 
     layer: int
     kind: str  # "D" dense or "R" routed
-    tokens: int  # tokens the block processes per sequence (the attention sub-block's, staggered)
+    tokens: int  # tokens that run the block's attention per sequence (all, with routing="mlp")
     matmul: float  # q/k/v/o projections and the MLP
     attention: float  # QK^T and AV, full products (FlopCounterMode's count)
     attention_causal: float  # QK^T and AV over the query-key pairs a causal mask keeps
@@ -253,14 +254,16 @@ def _decode_estimate(
 
     A new token takes each routed layer with probability p (its take-rate) and attends over the
     keys the layer caches: all of the context where every token stores a key (dense layers;
-    routed ones with skipped_kv="residual"), else the same share p of it."""
+    routed ones with skipped_kv="residual" or routing="mlp"), else the same share p of it."""
     it, routed = iter(takes), set(cfg.routed_layers)
     p_layer = [next(it) if i in routed else 1.0 for i in range(cfg.n_layers)]
     full_kv = set(cfg.full_kv_layers)
     cached = [1.0 if i in full_kv else p for i, p in enumerate(p_layer)]
     # Decoding never drops: given shares that include capacity drops would undercount it.
     decode_share = given if cfg.expert_capacity_factor is None else None
-    takes_pp = [(p, p) for p in p_layer]
+    # (attention, MLP) shares; with routing="mlp" every token runs attention
+    attn_all = cfg.routing == "mlp"
+    takes_pp = [(1.0 if attn_all else p, p) for p in p_layer]
     decode, _ = decode_cost(cfg, takes_pp, cached, context, expert_share=decode_share)
     return decode, cached
 
@@ -268,7 +271,7 @@ def _decode_estimate(
 def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[float, float]]:
     """Per layer (attention share, MLP share) of the tokens that run it, from per-router shares in
     router order (``generate.router_names``): (1, 1) for a dense layer, (r, r) for joint routing,
-    (r_attn, r_mlp) for staggered routing."""
+    (r_attn, r_mlp) for staggered routing, (1, r_mlp) for MLP-only routing."""
     it = iter(per_router)
     shares = []
     for kind in cfg.layer_kinds:
@@ -277,6 +280,8 @@ def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[floa
         elif cfg.routing == "joint":
             r = next(it)
             shares.append((r, r))
+        elif cfg.routing == "mlp":
+            shares.append((1.0, next(it)))
         else:
             shares.append((next(it), next(it)))
     return shares

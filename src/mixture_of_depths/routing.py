@@ -24,7 +24,8 @@ ROUTING_CHOICES = ("topk", "causal")
 
 
 def route_name(layer: int, kind: str) -> str:
-    """``"<layer>"`` for joint routing, ``"<layer>.<kind>"`` for a staggered sub-block."""
+    """``"<layer>"`` for joint routing, ``"<layer>.<kind>"`` for a routed sub-block (staggered
+    routing; ``"<layer>.mlp"`` with MLP-only routing)."""
     return str(layer) if kind == "block" else f"{layer}.{kind}"
 
 
@@ -42,11 +43,12 @@ class Route:
     """
 
     layer: int
-    kind: str  # "block" (joint routing), "attn" or "mlp" (staggered routing)
+    kind: str  # "block" (joint routing), "attn" or "mlp" (staggered), "mlp" (routing="mlp")
     mask: Tensor
     logits: Tensor | None
     target: Tensor | None
     predictor_logits: Tensor | None = None
+    threshold: float = 0.0  # the causal decision is decision_logits > threshold (calibrated)
 
     @property
     def name(self) -> str:
@@ -148,15 +150,17 @@ def router_aux_loss(routes: list[Route], like: Tensor) -> Tensor:
 
 @torch.no_grad()
 def routing_accuracy(routes: list[Route]) -> dict[str, float]:
-    """Share of tokens whose causal decision (logit > 0) agrees with top-k membership, per router.
+    """Share of tokens whose causal decision (logit > the router's threshold, 0 unless
+    calibrated) agrees with top-k membership, per router.
 
-    Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered routing.
+    Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered and MLP-only
+    routing.
     """
     acc = {}
     for r in routes:
         if r.target is None:
             raise ValueError(f"route {r.name} has no top-k target (a cached decode step)")
-        acc[r.name] = ((r.decision_logits > 0) == r.target).float().mean().item()
+        acc[r.name] = ((r.decision_logits > r.threshold) == r.target).float().mean().item()
     return acc
 
 

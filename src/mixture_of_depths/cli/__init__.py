@@ -18,7 +18,7 @@ from typing import Any
 from ..runtime.distributed import env_from_torchrun
 from ..runtime.malloc import keep_freed_memory
 from ..train import TrainingStopped
-from . import bench, checkpoints, evaluate, generate, inspect, models, study, train
+from . import bench, calibrate, checkpoints, evaluate, generate, inspect, models, study, train
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ COMMANDS: dict[str, Command] = {
     "tune-routers": Command(train.add_tune_routers, train.run),
     "inspect": Command(inspect.add_parser, inspect.run),
     "eval": Command(evaluate.add_parser, evaluate.run),
+    "calibrate": Command(calibrate.add_parser, calibrate.run),
     "generate": Command(generate.add_parser, generate.run),
     "export": Command(checkpoints.add_export, checkpoints.run_export),
     "convert": Command(checkpoints.add_convert, checkpoints.run_convert),

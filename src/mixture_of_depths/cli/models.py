@@ -50,7 +50,7 @@ def add_flops(sub: Any, name: str) -> None:
     add_dataclass_flags(
         p.add_argument_group("model (MoDConfig fields)"),
         MoDConfig,
-        skip={"max_seq_len"},
+        skip={"max_seq_len", "causal_thresholds"},
         preset=True,
     )
 

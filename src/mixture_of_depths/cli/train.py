@@ -41,7 +41,9 @@ def add_train(sub: Any, name: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     model_group = p.add_argument_group("model (MoDConfig fields)")
-    add_dataclass_flags(model_group, MoDConfig, skip={"vocab_size"}, preset=True)
+    add_dataclass_flags(
+        model_group, MoDConfig, skip={"vocab_size", "causal_thresholds"}, preset=True
+    )
     train_group = p.add_argument_group("training")
     add_dataclass_flags(train_group, TrainConfig, skip=set(), choices=TRAIN_CHOICES)
 

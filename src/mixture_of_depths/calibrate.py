@@ -1,0 +1,114 @@
+"""Calibrated causal thresholds (`mod calibrate`): per router, the threshold on its causal score
+that makes its causal take-rate on held-out text equal the capacity.
+
+A router's causal decision is "score > threshold", the score being the aux-loss router's logit
+or the predictor's (docs/semantics.md). Training teaches the score to mimic top-k membership, but
+nothing makes its rate match the capacity: trained models take 6-12% of tokens where the
+capacity is 12.5%, so sampling spends less compute than training planned, and the equal-FLOPs
+comparison does not hold at sampling time. Fitting the thresholds moves no weight; they are
+stored in the model's config (`MoDConfig.causal_thresholds`), so causal evaluation, `generate`,
+the Hugging Face model and anything else that runs the forward use them.
+
+Routers are fitted in forward order: a router's score depends on the decisions of the routers
+before it (they change its input), never on its own threshold, so each is fitted exactly once
+the ones before it are set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import MoDConfig
+from .model import MoDTransformer
+from .precision import autocast_for
+
+
+def set_config(model: nn.Module, **changes: Any) -> MoDConfig:
+    """Give `model` and every module of it holding the config the config with `changes`."""
+    cfg = dataclasses.replace(model.config, **changes)
+    model.config = cfg
+    for m in model.modules():
+        if isinstance(getattr(m, "cfg", None), MoDConfig):
+            m.cfg = cfg
+    return cfg
+
+
+def threshold_at(scores: Tensor, take: float) -> float:
+    """A threshold that a share `take` of `scores` lies above, put midway across the widest gap
+    between neighbouring scores near that share (within 0.1% of them, at least one), so that no
+    score sits on or near it: a token whose score ties the threshold would be decided by
+    round-off. Where the scores near that share are all equal, the nearest gap: the share above
+    moves as little as the ties allow."""
+    z = scores.flatten().double().sort().values
+    n = len(z)
+    if n < 2 or float(z[-1] - z[0]) == 0:
+        raise ValueError(f"calibration needs at least 2 different scores, got {n} all equal")
+    cut = min(max(round(n * (1 - take)), 1), n - 1)  # z[cut:] is the share above
+    gaps = z[1:] - z[:-1]  # gaps[j] lies between z[j] and z[j + 1]
+    reach = max(1, n // 1000)
+    near = range(max(0, cut - 1 - reach), min(n - 1, cut + reach))
+    j = max(near, key=lambda j: (float(gaps[j]), -abs(j + 1 - cut)))
+    if float(gaps[j]) == 0:  # all tied here: the nearest gap anywhere
+        j = min(torch.nonzero(gaps > 0).flatten().tolist(), key=lambda j: abs(j + 1 - cut))
+    return float((z[j] + z[j + 1]) / 2)
+
+
+def _scores(model: MoDTransformer, batches: Sequence[Tensor], i: int, device: Any) -> Tensor:
+    """Router `i`'s causal scores over the tokens of `batches` (forward order of the routes)."""
+    out = []
+    for x in batches:
+        with autocast_for(device):
+            routes = model(x.to(device), routing="causal").routes
+        out.append(routes[i].decision_logits.detach().float().flatten().cpu())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def fit_thresholds(
+    model: MoDTransformer, batches: Sequence[Tensor], take: float | None = None
+) -> list[float]:
+    """Fit, in forward order, the threshold of every router of `model` so that its causal
+    take-rate over the tokens of `batches` (token ids, (B, T) each) is `take` (default: the
+    capacity); set them on the model (its config's `causal_thresholds`) and return them."""
+    cfg = model.config
+    if cfg.is_dense:
+        raise ValueError("calibrating thresholds needs routed blocks: the model is dense")
+    if cfg.router_scores == "random":
+        raise ValueError("random router scores decide by their own noise: nothing to calibrate")
+    take = cfg.capacity if take is None else take
+    if not 0 < take < 1:
+        raise ValueError(f"take must be in (0, 1), got {take}")
+    if not batches:
+        raise ValueError("calibration needs at least one batch of held-out tokens")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    thresholds = [0.0] * cfg.n_routers
+    try:
+        for i in range(cfg.n_routers):
+            set_config(model, causal_thresholds=tuple(thresholds))
+            thresholds[i] = threshold_at(_scores(model, batches, i, device), take)
+        set_config(model, causal_thresholds=tuple(thresholds))
+    finally:
+        model.train(was_training)
+    return thresholds
+
+
+@torch.no_grad()
+def causal_take_rates(model: MoDTransformer, batches: Sequence[Tensor]) -> dict[str, float]:
+    """Per router, the share of the tokens of `batches` its causal decision sends through."""
+    device = next(model.parameters()).device
+    sums: dict[str, float] = {}
+    n = 0
+    for x in batches:
+        with autocast_for(device):
+            routes = model(x.to(device), routing="causal").routes
+        for r in routes:
+            sums[r.name] = sums.get(r.name, 0.0) + float(r.mask.double().sum())
+        n += x.numel()
+    return {k: v / n for k, v in sums.items()}
