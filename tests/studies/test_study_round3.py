@@ -96,6 +96,13 @@ def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch):
         assert not (work / r["name"]).exists()  # the run folder went with its profile
     mod = rows[1]
     assert mod["causal_take_rate"] and rpt.last_gate(out, mod) is not None
+    cal = mod["calibration"]  # fitted on one half of the windows, measured on the other
+    assert len(cal["thresholds"]) == 2 and set(cal["after"]["take_rate"]) == set(
+        cal["before"]["take_rate"]
+    )
+    assert "calibration" not in rows[0]
+    kept = work.with_name(work.name + "-kept")
+    assert all((kept / r["name"] / "model.safetensors").exists() for r in rows)
     text = (out / "report.md").read_text()
     assert "## The deciding table" in text and "| dense XS | 1 |" in text
     assert "0 planned still to run" in text and (out / "round3.png").exists()

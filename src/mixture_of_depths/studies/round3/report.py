@@ -71,6 +71,25 @@ def arm_summary(out: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "late_loss": _mean([late_loss(r) for r in rows]),
         "gate_p50": _mean([last_gate(out, r) for r in rows]),
         "tokens": statistics.fmean(r["tokens"] for r in rows),
+        "calibrated": _calibrated(rows),
+    }
+
+
+def _calibrated(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Mean over seeds and routers of the causal take-rate before and after `mod calibrate`,
+    and the causal loss before and after (held-out half of the validation windows)."""
+    cals = [r["calibration"] for r in rows if r.get("calibration")]
+    if not cals:
+        return None
+
+    def mean_take(side: str) -> float:
+        return statistics.fmean(v for c in cals for v in c[side]["take_rate"].values())
+
+    return {
+        "take_before": mean_take("before"),
+        "take_after": mean_take("after"),
+        "loss_before": statistics.fmean(c["before"]["val_loss_causal"] for c in cals),
+        "loss_after": statistics.fmean(c["after"]["val_loss_causal"] for c in cals),
     }
 
 
@@ -169,6 +188,21 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
     for label, a in arms.items():
         if a.get("gap_closed") is not None:
             lines.append(f"- {label}: closes {a['gap_closed']:.0%} of the gap ({a['seeds']} seeds)")
+    cal = [(label, a["calibrated"]) for label, a in arms.items() if a.get("calibrated")]
+    if cal:
+        lines += [
+            "",
+            "Calibrated causal thresholds (`mod calibrate`; fitted on half the validation "
+            "windows, measured on the other half; mean over routers and seeds):",
+            "",
+            "| arm | causal take-rate before | after | causal loss before | after |",
+            "|---|---|---|---|---|",
+        ]
+        for label, c in cal:
+            lines.append(
+                f"| {label} | {c['take_before']:.1%} | {c['take_after']:.1%} | "
+                f"{c['loss_before']:.4f} | {c['loss_after']:.4f} |"
+            )
     return lines
 
 
