@@ -14,6 +14,23 @@ from mixture_of_depths.train import train
 # threads contending for the same cores make a 69x32 matmul take milliseconds, not microseconds.
 torch.set_num_threads(1)
 
+# The devices an oracle test runs on: the CPU always, CUDA where there is one (marked `cuda`, so
+# `pytest -m cuda` selects those variants; without a GPU they skip and cost nothing).
+CUDA = torch.cuda.is_available()
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device here")],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """The device of a device-parametrised oracle test ("cpu", or "cuda" where available)."""
+    return request.param
+
 
 @pytest.fixture()
 def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
