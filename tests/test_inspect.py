@@ -5,6 +5,7 @@ closed form of Spearman's rho without ties (and scipy's, where installed)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -248,6 +249,17 @@ def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
     assert "http" not in page.replace("http-equiv", "")  # self-contained: nothing to fetch
     report = (out / "report.md").read_text()
     assert f"{len(text)} held-out tokens" in report and "| letters/identifiers |" in report
+    # the copy probe, in the numbers, the page and report.json: the probe run directly (oracle)
+    from mixture_of_depths.probes import copy_probe
+
+    probe = copy_probe(model)
+    assert f"score {probe['score']:+.4f} nats" in report
+    assert f"score {probe['score']:+.4f} nats" in page
+    numbers = json.loads((out / "report.json").read_text())
+    assert numbers["copy_probe"]["score"] == pytest.approx(probe["score"], abs=1e-9)
+    assert numbers["copy_probe"]["take_second"] == pytest.approx(probe["take_second"], abs=1e-9)
+    assert numbers["tokens"] == len(text) and numbers["routers"] == list(numbers["take_rate"])
+    assert sum(numbers["blocks_taken"]) == len(text)
     assert main(["inspect", str(ckpt), "--text", "", "--out", str(out)]) == 2
     assert "no tokens" in capsys.readouterr().err
     # a dense baseline on the same tokenizer: the excess columns; another tokenizer: refused

@@ -11,7 +11,7 @@ import torch
 
 from ..config import MoDConfig
 from ..data import ByteTokenizer, Tokenizer, eval_batches, load_splits, load_tokenizer
-from ..fileio import atomic_write_text
+from ..fileio import atomic_write_text, json_text
 from ..inspect import (
     PICTURES,
     analyse,
@@ -19,9 +19,11 @@ from ..inspect import (
     extremes,
     html_page,
     plot,
+    report_json,
     report_md,
     rho_text,
 )
+from ..probes import copy_probe, format_copy_probe
 from ..runtime.checkpoint import load_config, load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
 
@@ -31,10 +33,11 @@ def add_parser(sub: Any, name: str) -> None:
         name,
         help="where the compute went, token by token: pictures and numbers",
         description="Route held-out text through a checkpoint in causal and top-k routing and "
-        "write routing.png, depth_hist.png, skip_runs.png, entropy.png and report.md: blocks "
-        "taken per token against independent per-router coins, the longest runs of skipped "
-        "blocks and their loss, Spearman's rho of blocks taken against entropy and loss, and the "
-        "share routed by token class.",
+        "write routing.png, depth_hist.png, skip_runs.png, entropy.png, report.md, report.json and "
+        "index.html: blocks taken per token against independent per-router coins, the longest "
+        "runs of skipped blocks and their loss, Spearman's rho of blocks taken against entropy "
+        "and loss, the share routed by token class, and the copy probe (in-context copying of "
+        "a repeated random sequence, with each router's take-rate on each copy).",
     )
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
     src = p.add_mutually_exclusive_group()
@@ -55,9 +58,10 @@ def add_parser(sub: Any, name: str) -> None:
 
 # What `mod inspect` writes: a folder holding only these (and its own write's leftovers) is a
 # previous output, rewritten in place; anything else in --out is not ours to overwrite.
-OUTPUTS = ("index.html", "report.md", *PICTURES)
+OUTPUTS = ("index.html", "report.md", "report.json", *PICTURES)
 _HEADINGS = {"report.md": "# Where the compute went", "index.html": "<!doctype html><html><head>"
-             "<meta charset='utf-8'><title>mod inspect</title>"}  # fmt: skip
+             "<meta charset='utf-8'><title>mod inspect</title>",
+             "report.json": '{\n  "tool": "mod inspect"'}  # fmt: skip
 
 
 def _ours(entry: Path) -> bool:
@@ -152,8 +156,30 @@ def run(args: argparse.Namespace) -> int:
         check_baseline(args, tokenizer, cfg, tokens.shape[1])
         baseline = load_model(args.baseline, map_location=device)[0]
     report = analyse(model, tokens, baseline=baseline)
+    copy = copy_probe(model)  # random tokens: the same numbers whatever text was inspected
+    write_outputs(out, report, tokenizer, copy, tokens.shape[1])
+    c = report.correlations
+    print(
+        f"{out}: index.html, report.md, report.json, routing.png, depth_hist.png, skip_runs.png, "
+        f"entropy.png ({len(report.tokens)} tokens; rho depth~entropy "
+        f"{rho_text(report, 'depth_vs_entropy')}, depth~loss {rho_text(report, 'depth_vs_loss')}"
+        + (
+            f", depth~baseline loss {rho_text(report, 'depth_vs_baseline_loss')}"
+            if "depth_vs_baseline_loss" in c
+            else ""
+        )
+        + ")"
+    )
+    print(format_copy_probe(copy))
+    return 0
+
+
+def write_outputs(
+    out: Path, report: Any, tokenizer: Tokenizer, copy: dict[str, Any], row_len: int
+) -> None:
+    """The pictures, report.md, report.json and the page, into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    pictures = plot(report, out, tokens.shape[1])
+    pictures = plot(report, out, row_len)
 
     def tokenizer_text(i: int) -> str:
         if isinstance(tokenizer, ByteTokenizer):  # one byte of a character may not decode alone
@@ -163,20 +189,8 @@ def run(args: argparse.Namespace) -> int:
     is_byte = isinstance(tokenizer, ByteTokenizer)
     classes = class_table(report, None if is_byte else tokenizer_text)
     extreme = None if is_byte else extremes(report)
-    text = report_md(report, classes, extreme, lambda i: repr(tokenizer_text(i)))
+    text = report_md(report, classes, extreme, lambda i: repr(tokenizer_text(i)), copy=copy)
     atomic_write_text(out / "report.md", text)
+    atomic_write_text(out / "report.json", json_text(report_json(report, copy), indent=2) + "\n")
     images = {p.stem: p for p in pictures}
     atomic_write_text(out / "index.html", html_page(report, tokenizer_text, images, text))
-    c = report.correlations
-    print(
-        f"{out}: index.html, report.md, routing.png, depth_hist.png, skip_runs.png, entropy.png "
-        f"({len(report.tokens)} tokens; rho depth~entropy {rho_text(report, 'depth_vs_entropy')}, "
-        f"depth~loss {rho_text(report, 'depth_vs_loss')}"
-        + (
-            f", depth~baseline loss {rho_text(report, 'depth_vs_baseline_loss')}"
-            if "depth_vs_baseline_loss" in c
-            else ""
-        )
-        + ")"
-    )
-    return 0

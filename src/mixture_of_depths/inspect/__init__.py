@@ -35,7 +35,7 @@ from .analysis import (
     variance_ratio_text,
 )
 from .plots import PICTURES, plot
-from .report import html_page, report_md
+from .report import html_page, report_json, report_md
 from .stats import (
     bootstrap_spearman,
     independence_test,
@@ -66,6 +66,7 @@ __all__ = [
     "poisson_binomial",
     "ranks",
     "report_md",
+    "report_json",
     "rho_text",
     "spearman",
     "text_class",

@@ -13,9 +13,13 @@ from .stats import mean_interval
 
 
 def report_md(
-    report: Report, classes: dict | None, extreme: dict | None, decode: Any = None
+    report: Report,
+    classes: dict | None,
+    extreme: dict | None,
+    decode: Any = None,
+    copy: dict | None = None,
 ) -> str:
-    """The numbers, as markdown."""
+    """The numbers, as markdown (with `copy`, a `probes.copy_probe` result: its section)."""
     lines = [
         "# Where the compute went",
         "",
@@ -28,6 +32,8 @@ def report_md(
     ]
     if classes:
         lines += _class_table(report, classes)
+    if copy is not None:
+        lines += _copy_section(copy)
     if extreme:
         for side in ("most", "least"):
             lines += [
@@ -112,6 +118,41 @@ def _correlations(report: Report) -> list[str]:
         interval = f"95% bootstrap interval over rows {v['low']:+.4f} to {v['high']:+.4f}"
         lines.append(f"- {name}: Spearman rho {v['rho']:+.4f} ({interval}, n = {v['n']})")
     return lines
+
+
+def _copy_section(copy: dict) -> list[str]:
+    """The copy probe: the score, both copies' losses, and each router's take-rate on each."""
+    lines = [
+        "",
+        "## In-context copying (the copy probe)",
+        "",
+        f"Random tokens, then the same again: loss on the first copy {copy['loss_first']:.4f}, "
+        f"on the second {copy['loss_second']:.4f}, score {copy['score']:+.4f} nats (0: the "
+        "model does not copy from its context; up to ln V when it copies perfectly).",
+    ]
+    if copy.get("take_first"):
+        lines += ["", "| router | take-rate, first copy | second copy |", "|---|---|---|"]
+        lines += [
+            f"| {k} | {copy['take_first'][k]:.3f} | {copy['take_second'][k]:.3f} |"
+            for k in copy["take_first"]
+        ]
+    return lines
+
+
+def report_json(report: Report, copy: dict | None = None) -> dict[str, Any]:
+    """The numbers of report.md that are not per token, as one JSON-ready dict (report.json)."""
+    return {
+        "tool": "mod inspect",  # first, so a later run recognises the file as its own
+        "tokens": len(report.tokens),
+        "routers": list(report.router_names),
+        "take_rate": dict(report.take_rate),
+        "agreement": dict(report.agreement),
+        "blocks_taken": [int(n) for n in report.depth_hist],
+        "independent_coins": [float(n) for n in report.independent_hist],
+        "independence": dict(report.independence),
+        "correlations": {k: dict(v) for k, v in report.correlations.items()},
+        "copy_probe": copy,
+    }
 
 
 def _class_table(report: Report, classes: dict) -> list[str]:
