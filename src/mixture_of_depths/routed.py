@@ -107,6 +107,8 @@ class RoutedBlock(Block):
         T = x_BTD.shape[1]
         pred_BT = self.predictor_logits(kind, x_BTD)
         thr = self.cfg.causal_threshold(self.router_index(kind))  # a Python float: no sync
+        if p.decode and getattr(p.cache, "masked", False):  # static_cache.py: masks, no sync
+            return p.cache.decode_rows(self, kind, x_BTD, pred_BT, thr, p)
         if p.decode:  # one new token per row: top-k over it means nothing
             # The predictor decides; the router's weight then only gates the rows that take.
             r_BT = self.router_weight(kind, x_BTD) if pred_BT is None else None

@@ -1,0 +1,232 @@
+"""Decoding with fixed shapes, for a GPU: `StaticKVCache` (capacity-sized buffers allocated once,
+lengths and positions on the device) and `StaticDecoder`, a decode step with no host sync and no
+data-dependent shape, so that `torch.compile(mode="reduce-overhead")` can capture it in a CUDA
+graph (as gpt-fast does). `static_generate` drives it (greedy).
+
+The eager decode step (`generate.decode_step`) runs a routed block only on the rows whose token
+takes it, which needs the decision on the host (a sync per routed sub-block) and gives shapes
+that change every step. Here every row computes every routed block and masks decide, exactly:
+a row that takes the block gets ``x + g(r) * f`` and appends its key and value at its own
+length; a row that skips keeps x bit for bit and writes its key and value to a trash slot that
+no query ever reads. So the step is the eager one's arithmetic on more rows, and its tokens are
+the eager ones (`tests/cuda/test_cuda_static_decode.py`, greedy in float64). The price is the
+routed blocks' compute on the skipping rows: little at batch 64, where nearly every routed
+layer has a taker anyway (1 - (1 - c)^B), the whole saving at batch 1 (docs/bench.md, GPU).
+
+A routed layer holds ``ceil(headroom * capacity * max_len)`` slots (at least 16), as
+`KVCache` starts; causal routing may take more. A row that would write past them sets an
+overflow flag on the device instead, and `static_generate` raises once at the end (one read):
+the tokens are then not trusted. Prefill runs eagerly into a `KVCache` and is copied in
+(`load`). Expert layers decode but are not capturable (their slices' bounds are read on the
+host).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .blocks import Pass
+from .cache import KVCache
+from .config import MoDConfig
+from .generate import prefill
+from .layers import LayerKV, rope_tables
+from .model import MoDTransformer
+from .precision import at_least_float32
+from .routing import Route
+
+
+class StaticKVCache(nn.Module):
+    """Per-layer key/value buffers (B, n_kv_heads, S_l + 1, head_dim) whose last slot is the
+    trash slot; ``lengths`` (layers, B) and ``pos`` (B,) on the device. Its tensors are
+    buffers so that a captured step may update them in place."""
+
+    masked = True  # routed blocks decode every row under masks (`RoutedBlock.route`)
+
+    def __init__(
+        self,
+        config: MoDConfig,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        headroom: float = 1.5,
+    ) -> None:
+        super().__init__()
+        if not 1 <= max_len <= config.max_seq_len:
+            raise ValueError(
+                f"max_len must be in [1, max_seq_len={config.max_seq_len}], got {max_len}"
+            )
+        if batch_size < 1 or not headroom > 0:
+            raise ValueError(f"batch_size must be >= 1 and headroom > 0, got {batch_size}, "
+                             f"{headroom}")  # fmt: skip
+        self.config, self.batch_size, self.max_len = config, batch_size, max_len
+        self.device, self.dtype = torch.device(device or "cpu"), dtype
+        full = set(config.full_kv_layers)
+        self.slots = [
+            max_len
+            if layer in full
+            else min(max_len, max(16, math.ceil(headroom * config.capacity * max_len)))
+            for layer in range(config.n_layers)
+        ]
+        for layer, s in enumerate(self.slots):
+            shape = (batch_size, config.n_kv_heads, s + 1, config.head_dim)
+            self.register_buffer(f"k{layer}", torch.zeros(shape, device=self.device, dtype=dtype))
+            self.register_buffer(f"v{layer}", torch.zeros(shape, device=self.device, dtype=dtype))
+        long = dict(device=self.device, dtype=torch.long)
+        self.register_buffer("lengths", torch.zeros(config.n_layers, batch_size, **long))
+        self.register_buffer("pos", torch.zeros(batch_size, **long))
+        self.register_buffer("overflow", torch.zeros(config.n_layers, dtype=torch.bool,
+                                                     device=self.device))  # fmt: skip
+        self.register_buffer("rows", torch.arange(batch_size, **long))
+        cos, sin = rope_tables(
+            config.head_dim, max_len, config.rope_theta, self.device, at_least_float32(dtype)
+        )
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def load(self, kv: KVCache) -> None:
+        """Take over a prefilled `KVCache` (same batch, model and dtype)."""
+        if kv.batch_size != self.batch_size or kv.dtype != self.dtype:
+            raise ValueError(
+                f"the KV cache has {kv.batch_size} rows of {kv.dtype}, this one "
+                f"{self.batch_size} of {self.dtype}"
+            )
+        lengths = kv.lengths
+        for layer, s in enumerate(self.slots):
+            n = int(lengths[layer].max())
+            if n > s:
+                raise ValueError(
+                    f"layer {layer}'s prefill stored {n} tokens in a row, more than its {s} "
+                    "static slots: raise headroom"
+                )
+            getattr(self, f"k{layer}")[:, :, :n] = kv.k[layer][:, :, :n]
+            getattr(self, f"v{layer}")[:, :, :n] = kv.v[layer][:, :, :n]
+        self.lengths.copy_(lengths)
+        self.pos.copy_(kv.positions())
+        self.overflow.zero_()
+
+    # -- the protocol a decode step uses (cache.Cache) ------------------------------------------
+    def append(self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None) -> None:
+        """Every row's new key and value (N, n_kv_heads, 1, head_dim) at its length; with
+        `take_N` (N,) bool, the others' to the trash slot."""
+        s, lens = self.slots[layer], self.lengths[layer]
+        if take_N is None:
+            slot = lens.clamp(max=s)
+            full = lens >= s
+            grow = torch.ones_like(lens)
+        else:
+            slot = torch.where(take_N, lens.clamp(max=s), s)
+            full = take_N & (lens >= s)
+            grow = take_N.long()
+        self.overflow[layer] |= full.any()
+        getattr(self, f"k{layer}")[self.rows, :, slot] = k[:, :, 0].to(self.dtype)
+        getattr(self, f"v{layer}")[self.rows, :, slot] = v[:, :, 0].to(self.dtype)
+        lens += grow
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values (N, n_kv_heads, S_l, head_dim) and the mask of filled slots."""
+        s = self.slots[layer]
+        valid = torch.arange(s, device=self.device)[None, :] < self.lengths[layer][:, None]
+        K, V = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        return K[:, :, :s], V[:, :, :s], valid[:, None, None, :]
+
+    def append_and_read(
+        self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        self.append(layer, k, v, take_N)
+        return self.read(layer)
+
+    def decode_rows(
+        self, block: nn.Module, kind: str, x_N1D: Tensor, pred_N1: Tensor | None, thr: float,
+        p: Pass,
+    ) -> tuple[Tensor, Route]:  # fmt: skip
+        """A routed (sub-)block's decode step on every row under its take mask (the rule of
+        `RoutedBlock.run_rows`, with masks instead of a host-side choice of rows)."""
+        r_N1 = block.router_weight(kind, x_N1D)
+        take_N1 = (r_N1 if pred_N1 is None else pred_N1) > thr
+        kv = None
+        if kind != "mlp" and block.residual_kv:  # every row stores its key and value
+            k, v = block.attn.kv(block.attn_norm(x_N1D), p.cos, p.sin)
+            self.append(block.layer, k, v)
+            kv = LayerKV(*self.read(block.layer))
+        elif kind != "mlp":
+            take_N = take_N1[:, 0]
+            kv = lambda k, v, mask: self.append_and_read(block.layer, k, v, take_N)  # noqa: E731
+        y_N1D = block.gated(kind, x_N1D, r_N1, p.cos, p.sin, None, kv, p)
+        # A skipping row's y may hold NaN (a query over no filled slot): `where` never reads it.
+        x_N1D = torch.where(take_N1.unsqueeze(-1), y_N1D, x_N1D)
+        return x_N1D, Route(block.layer, kind, take_N1, r_N1, None, pred_N1, thr)
+
+
+class StaticDecoder(nn.Module):
+    """One decode step over a `StaticKVCache`: ``decoder(tokens_N)`` -> logits (N, vocab), the
+    cache updated in place. Fixed shapes, no host sync: compile it, e.g.
+    ``torch.compile(decoder, mode="reduce-overhead", fullgraph=True)`` on a GPU."""
+
+    def __init__(self, model: MoDTransformer, cache: StaticKVCache) -> None:
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, tokens_N: Tensor) -> Tensor:
+        model, cache = self.model, self.cache
+        x = model.embed(tokens_N[:, None])
+        cos, sin = cache.cos[cache.pos][:, None, None], cache.sin[cache.pos][:, None, None]
+        p = Pass("causal", cos, sin, cache, decode=True)
+        for block in model.blocks:
+            x, _ = block(x, p)
+        cache.pos += 1
+        return model.lm_head(model.norm(x))[:, 0]
+
+
+@torch.no_grad()
+def static_generate(
+    model: MoDTransformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    step: nn.Module | None = None,
+    headroom: float = 1.5,
+) -> list[list[int]]:
+    """Greedy generation of `max_new_tokens` per row (no EOS) with a static cache: an eager
+    prefill into a `KVCache`, then `step` (a `StaticDecoder` over this batch's cache, or that
+    compiled; None: an eager one is built). Tokens stay on the device until the end."""
+    idx, lens = _padded(prompts, model.embed.weight.device)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    dtype = model.embed.weight.dtype
+    total = int(lens.max()) + max_new_tokens
+    kv = KVCache(model.config, len(prompts), total, idx.device, dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        logits, _ = prefill(model, idx, lens, kv)
+        if step is None:
+            cache = StaticKVCache(model.config, len(prompts), total, idx.device, dtype, headroom)
+            step = StaticDecoder(model, cache)
+        decoder = getattr(step, "_orig_mod", step)
+        decoder.cache.load(kv)
+        out = [logits.argmax(-1)]
+        for _ in range(max_new_tokens - 1):
+            out.append(step(out[-1]).argmax(-1))
+    finally:
+        model.train(was_training)
+    if bool(decoder.cache.overflow.any()):  # the one read of the flags, at the end
+        layers = decoder.cache.overflow.nonzero().flatten().tolist()
+        raise RuntimeError(
+            f"routed layers {layers} took more tokens than their static slots: the generation "
+            f"is not exact; raise headroom (was {headroom})"
+        )
+    return torch.stack(out, 1).tolist()
+
+
+def _padded(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    if not prompts or any(len(p) < 1 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    lens = torch.tensor([len(p) for p in prompts])
+    idx = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        idx[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return idx.to(device), lens
