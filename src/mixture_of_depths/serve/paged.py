@@ -1,0 +1,318 @@
+"""`PagedKVCache`: the serving engine's KV cache, a pool of fixed-size pages per layer and a page
+table per (row, layer), behind the model's `Cache` protocol (cache.py), so the model's one forward
+runs unchanged on the live rows (docs/serving.md).
+
+A layer's pages hold the tokens that layer caches, exactly as `KVCache` does (docs/kv.md): every
+token in a dense layer (and in a routed one with ``skipped_kv="residual"`` or ``routing="mlp"``),
+only the tokens that took it in any other routed layer. A row holds ``ceil(tokens / page_size)``
+pages in each layer, allocated when a token lands on a fresh page and returned to the pool when the
+row leaves, so the memory in use follows what each layer actually holds across the live requests.
+A pool's storage is allocated lazily (it grows by half, up to its size in pages, lowest page ids
+first), so the bytes allocated follow the pages in use too.
+
+One forward is one `step` over *entries*: each entry is one token of one row at that row's next
+position. A decoding row has one entry; a row prefilling a chunk of its prompt has one entry per
+chunk token, in position order. Every entry runs the model as a decode row (one token, its own
+rotary position), and attention in each layer reads, for each entry, the entries of its row that
+the layer holds *up to its own*, which the same call has just appended: so a chunk of a prompt
+attends causally to the row's earlier chunks and to itself, and a prefill chunk and the other
+rows' decode steps are one batched forward. Causal routing decides per token from the token's own
+stream, so this is the causal prefill: the decisions and values decoding would make
+(docs/semantics.md).
+
+Names with shape suffixes: N entries of a step, R distinct rows among them, P pages, S slots.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..config import MoDConfig
+from ..layers import rope_tables
+from ..model import MoDTransformer
+from ..precision import at_least_float32
+
+
+class PagePool:
+    """One layer's pages: keys and values (pages, page_size, n_kv_heads, head_dim), a free list
+    (lowest id first) and storage that grows as higher ids are handed out."""
+
+    def __init__(
+        self, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int, dtype, device
+    ) -> None:
+        self.n_pages, self.page_size = n_pages, page_size
+        self._shape = (page_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(0, *self._shape, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self._free = list(range(n_pages))  # a heap: sorted is a valid heap
+        self.in_use = 0
+
+    @property
+    def free(self) -> int:
+        return self.n_pages - self.in_use
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"KV page pool exhausted ({self.n_pages} pages)")
+        page = heapq.heappop(self._free)
+        self.in_use += 1
+        have = self.k.shape[0]
+        if page >= have:  # grow by half (at least 4 pages), up to the pool's size
+            new = min(self.n_pages, max(page + 1, have * 3 // 2, 4))
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                grown = old.new_zeros(new, *self._shape)
+                grown[:have] = old
+                setattr(self, name, grown)
+        return page
+
+    def release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            heapq.heappush(self._free, page)
+        self.in_use -= len(pages)
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * math.prod(self._shape) * self.k.element_size()
+
+    @property
+    def nbytes_allocated(self) -> int:
+        return self.k.shape[0] * self.page_bytes
+
+
+class PagedKVCache:
+    """Pages per layer for the rows of a serving engine. Rows are added and freed by id;
+    `step(rows, positions)` is one forward's view (the `Cache` protocol)."""
+
+    def __init__(
+        self,
+        config: MoDConfig,
+        n_pages: int,
+        page_size: int = 16,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        row_pages = math.ceil(config.max_seq_len / page_size)
+        if n_pages < row_pages:
+            raise ValueError(
+                f"kv_pages={n_pages} cannot hold one row at full context: max_seq_len="
+                f"{config.max_seq_len} at page_size={page_size} needs {row_pages} pages per layer"
+            )
+        self.config, self.page_size, self.max_len = config, page_size, config.max_seq_len
+        self.device, self.dtype = torch.device(device), dtype
+        self.pools = [
+            PagePool(n_pages, page_size, config.n_kv_heads, config.head_dim, dtype, self.device)
+            for _ in range(config.n_layers)
+        ]
+        self.tables: dict[int, list[list[int]]] = {}  # row -> per layer, its pages in order
+        self.lengths: dict[int, list[int]] = {}  # row -> per layer, the tokens it holds
+        self.cos, self.sin = rope_tables(
+            config.head_dim, self.max_len, config.rope_theta, self.device, at_least_float32(dtype)
+        )
+
+    # -- rows -----------------------------------------------------------------------------------
+    def add_row(self, row: int) -> None:
+        if row in self.tables:
+            raise ValueError(f"row {row} is already in the cache")
+        self.tables[row] = [[] for _ in self.pools]
+        self.lengths[row] = [0] * len(self.pools)
+
+    def free_row(self, row: int) -> None:
+        """Return the row's pages to the pools (nothing if the row is not here)."""
+        tables = self.tables.pop(row, None)
+        self.lengths.pop(row, None)
+        for pool, pages in zip(self.pools, tables or (), strict=False):
+            pool.release(pages)
+
+    def pages_held(self, row: int) -> list[int]:
+        return [len(pages) for pages in self.tables[row]]
+
+    def worst_case_pages(self, row: int, tokens: int) -> list[int]:
+        """Per layer, the pages `row` needs for `tokens` more tokens if every one of them takes
+        every layer (a dense layer: exactly)."""
+        ps = self.page_size
+        return [
+            math.ceil((n + tokens) / ps) - len(pages)
+            for n, pages in zip(self.lengths[row], self.tables[row], strict=True)
+        ]
+
+    def max_new_tokens(self, row: int | None, free: Sequence[int]) -> int:
+        """The most tokens `row` (None: a new, empty row) can add, whatever they take, with
+        `free` pages per layer available to it."""
+        ps = self.page_size
+        if row is None:
+            return min(f * ps for f in free)
+        held, lens = self.tables[row], self.lengths[row]
+        return min((f + len(h)) * ps - n for f, h, n in zip(free, held, lens, strict=True))
+
+    # -- what is held ---------------------------------------------------------------------------
+    def pages_in_use(self) -> list[int]:
+        return [pool.in_use for pool in self.pools]
+
+    def free_pages(self) -> list[int]:
+        return [pool.free for pool in self.pools]
+
+    @property
+    def nbytes_in_use(self) -> int:
+        return sum(pool.in_use * pool.page_bytes for pool in self.pools)
+
+    @property
+    def nbytes_allocated(self) -> int:
+        return sum(pool.nbytes_allocated for pool in self.pools)
+
+    # -- one forward ----------------------------------------------------------------------------
+    def step(self, rows: Sequence[int], positions: Sequence[int]) -> PagedView:
+        """The view of one forward: entry i is a token of `rows[i]` at `positions[i]`; a row's
+        entries are consecutive, in position order, starting at the tokens it has processed."""
+        return PagedView(_Step(self, list(rows), torch.tensor(list(positions), dtype=torch.long)))
+
+    def _append(self, layer: int, rows: list[int]) -> list[tuple[int, int, int]]:
+        """One slot per entry row, in order (a fresh page where a slot starts one): the
+        (page, offset, slot) of each."""
+        pool, ps, out = self.pools[layer], self.page_size, []
+        for row in rows:
+            n = self.lengths[row][layer]
+            if n >= self.max_len:
+                raise RuntimeError(
+                    f"row {row} holds max_len={self.max_len} tokens in layer {layer}"
+                )
+            pages = self.tables[row][layer]
+            if n % ps == 0:
+                pages.append(pool.allocate())
+            self.lengths[row][layer] = n + 1
+            out.append((pages[n // ps], n % ps, n))
+        return out
+
+    def _gather(self, layer: int, rows: list[int], upto: list[int]) -> tuple[Tensor, Tensor]:
+        """Keys and values (R, n_kv_heads, S, head_dim) of each row's first `upto` slots, S the
+        longest, padded with whatever the padding pages hold (masked by the caller)."""
+        pool, ps = self.pools[layer], self.page_size
+        S = max(upto)
+        P = math.ceil(S / ps)
+        table = torch.zeros(len(rows), P, dtype=torch.long)
+        for i, (row, n) in enumerate(zip(rows, upto, strict=True)):
+            pages = self.tables[row][layer][: math.ceil(n / ps)]
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+            table[i, len(pages) :] = pages[0]
+        idx = table.to(self.device)
+        R = len(rows)
+        K = pool.k[idx].view(R, P * ps, *pool.k.shape[2:])[:, :S].transpose(1, 2)
+        V = pool.v[idx].view(R, P * ps, *pool.v.shape[2:])[:, :S].transpose(1, 2)
+        return K, V
+
+
+class _Step:
+    """What the views of one forward share: the entries' rows and positions, and per layer the
+    slot each entry wrote (-1: none yet), which bounds what the entry reads."""
+
+    def __init__(self, cache: PagedKVCache, rows: list[int], positions: Tensor) -> None:
+        self.cache, self.rows, self.positions = cache, rows, positions
+        self.slots = [[-1] * len(rows) for _ in cache.pools]
+
+
+class PagedView:
+    """Some entries of one step (sorted host indices) with the model's `Cache` protocol."""
+
+    def __init__(self, step: _Step, entries: Tensor | None = None) -> None:
+        self._step = step
+        n = len(step.rows)
+        self.entries = list(range(n)) if entries is None else [int(i) for i in entries]
+        cache = step.cache
+        self.max_len, self.device, self.dtype = cache.max_len, cache.device, cache.dtype
+
+    def positions(self) -> Tensor:
+        return self._step.positions[self.entries].clone()
+
+    def rope(self) -> tuple[Tensor, Tensor]:
+        return self._step.cache.cos, self._step.cache.sin
+
+    def subset(self, rows: Tensor) -> PagedView:
+        picked = torch.as_tensor(rows).cpu().tolist()
+        return PagedView(self._step, torch.tensor([self.entries[i] for i in picked]))
+
+    def advance(self, counts: Tensor | int) -> None:
+        """Nothing: the engine owns each row's position and moves it after the step; the layers'
+        lengths moved as entries were appended."""
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """One key and value (n, n_kv_heads, 1, head_dim) per entry of this view."""
+        step, cache = self._step, self._step.cache
+        where = cache._append(layer, [step.rows[e] for e in self.entries])
+        for e, (_, _, slot) in zip(self.entries, where, strict=True):
+            step.slots[layer][e] = slot
+        pool = cache.pools[layer]
+        pages = torch.tensor([p for p, _, _ in where], device=cache.device)
+        offs = torch.tensor([o for _, o, _ in where], device=cache.device)
+        pool.k[pages, offs] = k[:, :, 0].to(cache.dtype)
+        pool.v[pages, offs] = v[:, :, 0].to(cache.dtype)
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """For each entry, what its row holds in `layer` up to the entry's own slot: keys,
+        values (n, n_kv_heads, S, head_dim) and a validity mask (n, 1, 1, S), None when every
+        entry sees all S slots."""
+        step = self._step
+        upto = [step.slots[layer][e] + 1 for e in self.entries]
+        if min(upto) < 1:
+            raise RuntimeError(f"an entry reads layer {layer} before appending to it")
+        rows = [step.rows[e] for e in self.entries]
+        distinct = list(dict.fromkeys(rows))
+        if len(distinct) == len(rows):  # one entry per row (decoding): no duplicates to expand
+            K, V = step.cache._gather(layer, rows, upto)
+        else:  # a prefill chunk: gather each row once, then one view per entry
+            most = {}
+            for row, n in zip(rows, upto, strict=True):
+                most[row] = max(most.get(row, 0), n)
+            K, V = step.cache._gather(layer, distinct, [most[r] for r in distinct])
+            which = torch.tensor([distinct.index(r) for r in rows], device=K.device)
+            K, V = K[which], V[which]
+        S = K.shape[2]
+        if all(n == S for n in upto):
+            return K, V, None
+        lens = torch.tensor(upto, device=K.device)
+        valid = torch.arange(S, device=K.device)[None, :] < lens[:, None]
+        return K, V, valid[:, None, None, :]
+
+    def append_and_read(
+        self, layer: int, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        self.append(layer, k, v)
+        return self.read(layer)
+
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
+        """A forward in which every entry is at position 0 runs as the model's prefill of
+        one-token prompts: store the entries that take the layer (all when None)."""
+        if k.shape[2] != 1:
+            raise ValueError(
+                f"a paged step feeds one token per entry, got a prefill of {k.shape[2]} tokens"
+            )
+        if take_BT is None:
+            self.append(layer, k, v)
+            return
+        sel = take_BT.view(-1).cpu().nonzero().view(-1)
+        if len(sel):
+            self.subset(sel).append(layer, k[sel.to(k.device)], v[sel.to(k.device)])
+
+
+@torch.no_grad()
+def paged_forward(
+    model: MoDTransformer,
+    cache: PagedKVCache,
+    rows: Sequence[int],
+    positions: Sequence[int],
+    tokens: Sequence[int],
+) -> tuple[Tensor, Tensor]:
+    """One step of entries (token `tokens[i]` of row `rows[i]` at `positions[i]`) through the
+    model's forward: logits (N, vocab) and the routing decisions (N, n_routers) on the host."""
+    view = cache.step(rows, positions)
+    idx = torch.tensor(list(tokens), dtype=torch.long, device=cache.device)[:, None]
+    out = model(idx, routing="causal", cache=view, last_only=True)
+    if not out.routes:
+        return out.logits[:, 0], torch.zeros(len(rows), 0, dtype=torch.bool)
+    return out.logits[:, 0], torch.cat([r.mask.view(len(rows), 1).cpu() for r in out.routes], 1)

@@ -1,0 +1,103 @@
+"""The paged KV cache against oracles: prefill chunks and decode steps of several rows in one
+forward equal the full causal forward of each row alone (logits and routing decisions, float64),
+each (row, layer) holds the tokens that layer caches on ceil(tokens / page_size) pages, and the
+pools get every page back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import KINDS, PagedDriver, prompts, serve_model
+
+from mixture_of_depths.serve.paged import PagedKVCache
+
+TOL = dict(rtol=0.0, atol=1e-10)
+
+
+def _drive(model, page_size: int = 4) -> tuple[PagedDriver, dict[int, list]]:  # noqa: ANN001
+    """Three rows: chunked prefills of different lengths beside other rows' decode steps (one
+    row joins late, one starts with a one-token chunk), then greedy decoding together."""
+    d = PagedDriver(model, n_pages=64, page_size=page_size)
+    p = prompts((7, 13, 3))
+    got: dict[int, list] = {0: [], 1: [], 2: []}
+
+    def feed(feeds):  # noqa: ANN001, ANN202
+        for row, out in d.feed(feeds).items():
+            got[row].append(out)
+
+    def greedy(row: int) -> list[int]:
+        return [int(got[row][-1][0][-1].argmax())]
+
+    feed({0: p[0][:5], 1: p[1][:1]})
+    feed({0: p[0][5:], 1: p[1][1:9], 2: p[2]})
+    feed({0: greedy(0), 1: p[1][9:], 2: greedy(2)})
+    for _ in range(6):
+        feed({2: greedy(2), 0: greedy(0), 1: greedy(1)})
+    return d, got
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_chunks_and_decode_steps_in_one_forward_equal_each_row_alone(kind):
+    model = serve_model(kind)
+    d, got = _drive(model)
+    for row, seq in d.seqs.items():
+        full = model(torch.tensor([seq]), routing="causal")
+        logits = torch.cat([g[0] for g in got[row]])
+        torch.testing.assert_close(logits, full.logits[0], **TOL)
+        routing = torch.cat([g[1] for g in got[row]])
+        expected = [r.mask[0] for r in full.routes]
+        assert torch.equal(routing, torch.stack(expected, -1) if expected else routing), row
+
+
+@pytest.mark.parametrize("kind", ["predictor", "staggered", "residual", "dense"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_each_row_holds_ceil_tokens_over_page_size_pages_and_frees_them(kind, page_size):
+    model = serve_model(kind)
+    d, _ = _drive(model, page_size)
+    d.check_pages()  # lengths = what the full causal forward caches; pages = ceil(len / size)
+    in_use = d.cache.pages_in_use()
+    assert in_use == [sum(d.cache.pages_held(r)[layer] for r in d.seqs) for layer in range(4)]
+    assert d.cache.nbytes_in_use == sum(in_use) * d.cache.pools[0].page_bytes
+    if kind == "predictor" and page_size == 1:  # routed layers hold fewer than the dense 1
+        assert max(in_use[0], in_use[2], in_use[3]) < in_use[1]
+    for row in list(d.seqs):
+        d.cache.free_row(row)
+    assert d.cache.pages_in_use() == [0] * 4
+    assert d.cache.free_pages() == [64] * 4
+
+
+def test_pool_storage_grows_with_the_pages_in_use():
+    model = serve_model("predictor")
+    cache = PagedKVCache(model.config, n_pages=200, page_size=4, dtype=torch.float64)
+    assert cache.nbytes_allocated == 0
+    d = PagedDriver(model, 200, 4)
+    d.feed({0: prompts((9,))[0]})
+    allocated = d.cache.nbytes_allocated
+    assert 0 < allocated < 200 * 4 * d.cache.pools[0].page_bytes
+    assert all(p.k.shape[0] >= p.in_use for p in d.cache.pools)
+
+
+def test_sizes_and_exhaustion_are_clear_errors():
+    cfg = serve_model("dense").config  # max_seq_len 64
+    with pytest.raises(ValueError, match="kv_pages=15 cannot hold one row.*needs 16 pages"):
+        PagedKVCache(cfg, n_pages=15, page_size=4)
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        PagedKVCache(cfg, n_pages=15, page_size=0)
+    d = PagedDriver(serve_model("dense"), n_pages=16, page_size=4)
+    d.feed({0: prompts((40,))[0]})
+    with pytest.raises(RuntimeError, match="KV page pool exhausted"):
+        d.feed({1: prompts((40,))[0]})
+
+
+def test_worst_case_and_room_count_pages_per_layer():
+    d = PagedDriver(serve_model("predictor"), n_pages=64, page_size=4)
+    d.feed({0: prompts((6,))[0]})
+    cache = d.cache
+    lens, held = cache.lengths[0], cache.pages_held(0)
+    need = cache.worst_case_pages(0, 3)
+    assert need == [-(-(n + 3) // 4) - h for n, h in zip(lens, held, strict=True)]
+    free = [2] * 4
+    room = cache.max_new_tokens(0, free)
+    assert room == min((2 + h) * 4 - n for n, h in zip(lens, held, strict=True))
+    assert max(cache.worst_case_pages(0, room)) <= 2 < max(cache.worst_case_pages(0, room + 1))
+    assert cache.max_new_tokens(None, free) == 8
