@@ -18,7 +18,18 @@ from typing import Any
 from ..runtime.distributed import env_from_torchrun
 from ..runtime.malloc import keep_freed_memory
 from ..train import TrainingStopped
-from . import bench, calibrate, checkpoints, evaluate, generate, inspect, models, study, train
+from . import (
+    bench,
+    calibrate,
+    checkpoints,
+    evaluate,
+    generate,
+    inspect,
+    models,
+    serve,
+    study,
+    train,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ COMMANDS: dict[str, Command] = {
     "eval": Command(evaluate.add_parser, evaluate.run),
     "calibrate": Command(calibrate.add_parser, calibrate.run),
     "generate": Command(generate.add_parser, generate.run),
+    "serve": Command(serve.add_parser, serve.run),
     "export": Command(checkpoints.add_export, checkpoints.run_export),
     "convert": Command(checkpoints.add_convert, checkpoints.run_convert),
     "consolidate": Command(checkpoints.add_consolidate, checkpoints.run_consolidate),
