@@ -127,15 +127,16 @@ class KVCache:
         shape = (batch_size, config.n_kv_heads, 0, config.head_dim)
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
-        full = set(config.full_kv_layers)  # dense layers; routed ones with "residual" or "mlp"
-        for layer in range(config.n_layers):
-            slots = max_len
-            if grow and layer not in full:
-                slots = min(max_len, max(_MIN_SLOTS, math.ceil(1.5 * config.capacity * max_len)))
+        # One layer per application of a layer (a recursive model applies some several times).
+        for layer in range(config.n_kv_layers):
+            share, slots = config.kv_share(layer), max_len  # 1: every token's layer
+            if grow and share < 1:  # 0: a recursion step that reads the first pass's
+                slots = min(max_len, max(_MIN_SLOTS, math.ceil(1.5 * share * max_len)))
+                slots = slots if share else 0
             size = (*shape[:2], slots, shape[3])
             self.k.append(torch.zeros(size, device=self.device, dtype=dtype))
             self.v.append(torch.zeros(size, device=self.device, dtype=dtype))
-        self._lengths = torch.zeros(config.n_layers, batch_size, dtype=torch.long)
+        self._lengths = torch.zeros(config.n_kv_layers, batch_size, dtype=torch.long)
         self._positions = torch.zeros(batch_size, dtype=torch.long)
         self._all_rows = torch.arange(batch_size)
         self.cos, self.sin = rope_tables(

@@ -34,6 +34,11 @@ CAUSAL_ROUTERS = ("aux_loss", "predictor")
 # strategies"): nothing (routing-isolated attention), or keys and values from its input.
 SKIPPED_KV = ("none", "residual")
 ROUTER_SCORES = ("learned", "random")
+# Mixture-of-Recursions (docs/mor.md): which layers the recursion shares, who picks the tokens
+# of each step, and what a later step's attention reads.
+RECURSION_SHARING = ("middle_cycle", "cycle")
+RECURSION_ROUTERS = ("expert", "token")
+RECURSION_KV = ("recursion", "share")
 # The string fields and what each allows (the CLI offers them as choices).
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "routing": ROUTING_MODES,
@@ -41,6 +46,9 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "causal_router": CAUSAL_ROUTERS,
     "router_scores": ROUTER_SCORES,
     "skipped_kv": SKIPPED_KV,
+    "recursion_sharing": RECURSION_SHARING,
+    "recursion_router": RECURSION_ROUTERS,
+    "recursion_kv": RECURSION_KV,
 }
 
 
@@ -147,12 +155,26 @@ class MoDConfig:
     expert_capacity_factor: float | None = None  # None: no dropping (training top-k only)
     moe_balance_loss_weight: float = 1e-2  # Switch Transformer's load-balancing loss
     moe_z_loss_weight: float = 1e-3  # ST-MoE's router z-loss
+    # Mixture-of-Recursions (docs/mor.md). `recursions` N_r > 1 applies the shared layers N_r
+    # times: "middle_cycle" shares layers 1..n-2 (the first and last unique), "cycle" all n.
+    # `n_layers` counts unique layers. Every token takes the first pass; each later step r is
+    # routed: "expert" keeps the top `recursion_capacities[r - 1]` share of the sequence among
+    # the tokens still active (None: 1/2, 1/4, ...; a step at 1.0 has no router), "token" gives
+    # each token its number of passes up front (one router, a balancing loss). "recursion": a
+    # step's attention runs among its tokens, caching theirs; "share": later steps read the
+    # first pass's keys and values of every token and cache nothing.
+    recursions: int = 1
+    recursion_sharing: str = "middle_cycle"
+    recursion_capacities: tuple[float, ...] | None = None
+    recursion_router: str = "expert"
+    recursion_kv: str = "recursion"
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.aux_loss_weight is None:
-            weight = 0.01 if self.causal_router == "aux_loss" else 0.1
+        if self.aux_loss_weight is None:  # token-choice recursion: Switch's balancing weight
+            token = self.recursions != 1 and self.recursion_router == "token"
+            weight = 0.01 if self.causal_router == "aux_loss" or token else 0.1
             object.__setattr__(self, "aux_loss_weight", weight)
         check_fields(self, MODEL_RANGES)  # before anything computes with them (d_ff from ff_mult)
         if self.d_model % self.n_heads:
@@ -203,6 +225,7 @@ class MoDConfig:
                 "use skipped_kv='none'"
             )
         self._check_random_take_rates()
+        self._check_recursion()
         self._check_causal_thresholds()
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
@@ -256,9 +279,121 @@ class MoDConfig:
                              "by their own noise)")  # fmt: skip
         object.__setattr__(self, "causal_thresholds", values)
 
+    def _check_recursion(self) -> None:
+        defaults = {"recursion_sharing": "middle_cycle", "recursion_router": "expert",
+                    "recursion_kv": "recursion", "recursion_capacities": None}  # fmt: skip
+        if self.recursions == 1:
+            odd = {k: getattr(self, k) for k, v in defaults.items() if getattr(self, k) != v}
+            if odd:
+                raise ValueError(f"{odd} need recursions > 1 (got recursions=1, no recursion)")
+            return
+        why = {
+            "layer_pattern": (self.layer_pattern == "D", "'D' (the recursion routers route)"),
+            "n_experts": (self.n_experts == 0, "0 (expert layers in a recursion: unsupported)"),
+            "skipped_kv": (self.skipped_kv == "none", "'none' (recursion_kv says what a "
+                           "step's attention reads)"),
+            "router_scores": (self.router_scores == "learned", "'learned'"),
+        }  # fmt: skip
+        for name, (ok, allowed) in why.items():
+            if not ok:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} with recursions={self.recursions}: a "
+                    f"recursive model needs {name}={allowed}"
+                )
+        least = 3 if self.recursion_sharing == "middle_cycle" else 1
+        if self.n_layers < least:
+            raise ValueError(
+                f"recursion_sharing={self.recursion_sharing!r} needs n_layers >= {least} (the "
+                f"first and last layers unique, at least one shared), got {self.n_layers}"
+            )
+        caps = self.recursion_capacities
+        n = self.recursions - 1  # the routed steps: every token takes the first pass
+        if self.recursion_router == "token":
+            if caps is not None:
+                raise ValueError(
+                    f"recursion_capacities={caps!r} is for recursion_router='expert': the token-"
+                    "choice router gives each token its number of passes itself"
+                )
+            return
+        if caps is None:
+            caps = tuple(0.5**r for r in range(1, n + 1))
+        try:
+            caps = tuple(float(c) for c in caps)
+        except (TypeError, ValueError):
+            caps = ()
+        if len(caps) != n or not all(0 < c <= 1 for c in caps) or list(caps) != sorted(caps)[::-1]:
+            raise ValueError(
+                f"recursion_capacities={self.recursion_capacities!r}: give {n} shares in (0, 1], "
+                f"non-increasing, one per routed step (recursions={self.recursions}; every token "
+                "takes the first pass)"
+            )
+        object.__setattr__(self, "recursion_capacities", caps)
+
+    @property
+    def recursive(self) -> bool:
+        return self.recursions > 1
+
+    @property
+    def recursion_routed_steps(self) -> list[int]:
+        """The recursion steps (1 .. recursions - 1) with a router: all with token choice;
+        with expert choice those below capacity 1 (a step at 1.0 is every token's)."""
+        if not self.recursive:
+            return []
+        if self.recursion_router == "token":
+            return list(range(1, self.recursions))
+        return [r for r, c in enumerate(self.recursion_capacities, 1) if c < 1]
+
+    def recursion_tokens(self, step: int, seq_len: Any) -> Any:
+        """Expert choice: the tokens per row of `seq_len` that take recursion step `step`."""
+        if step == 0:
+            return seq_len
+        return capacity_tokens(self.recursion_capacities[step - 1], seq_len)
+
+    @property
+    def recursion_layers(self) -> tuple[list[int], list[int], list[int]]:
+        """The unique layers before the recursion, the shared ones, and those after it."""
+        n = self.n_layers
+        if self.recursion_sharing == "cycle" or not self.recursive:
+            return [], list(range(n)), []
+        return [0], list(range(1, n - 1)), [n - 1]
+
+    @property
+    def layer_schedule(self) -> list[tuple[int, int | None]]:
+        """Every application of a layer in forward order: (layer, recursion step), step None for
+        a unique layer of "middle_cycle". Its index is the application's KV-cache layer."""
+        pre, shared, post = self.recursion_layers
+        steps = [(layer, r) for r in range(self.recursions) for layer in shared]
+        if not self.recursive:
+            return [(layer, None) for layer in range(self.n_layers)]
+        return [(layer, None) for layer in pre] + steps + [(layer, None) for layer in post]
+
+    @property
+    def n_kv_layers(self) -> int:
+        """Layers of a KV cache: one per application of a layer (`layer_schedule`)."""
+        return len(self.layer_schedule)
+
+    def kv_share(self, layer: int) -> float:
+        """The share of tokens KV-cache layer `layer` holds when routing takes the capacity: 1
+        for every-token layers, the capacity for routed ones, a recursion step's share (0 for a
+        later step with ``recursion_kv="share"``: it reads the first pass's)."""
+        if layer in set(self.full_kv_layers):
+            return 1.0
+        if not self.recursive:
+            return self.capacity
+        step = self.layer_schedule[layer][1]
+        if self.recursion_kv == "share":
+            return 0.0
+        if self.recursion_router == "token":  # balanced: a share (N_r - r) / N_r of tokens
+            return (self.recursions - step) / self.recursions
+        return self.recursion_capacities[step - 1]
+
     @property
     def n_routers(self) -> int:
-        """Routers in the model: one per routed layer and route kind (`ROUTE_KINDS`)."""
+        """Routers in the model: one per routed layer and route kind (`ROUTE_KINDS`); in a
+        recursive model one per routed step with expert choice (token choice decides exactly:
+        no causal threshold)."""
+        if self.recursive:
+            return 0 if self.recursion_router == "token" else len(self.recursion_routed_steps)
         return len(self.routed_layers) * len(ROUTE_KINDS[self.routing])
 
     def causal_threshold(self, router: int) -> float:
@@ -322,16 +457,21 @@ class MoDConfig:
         """Whether the routed blocks carry predictors: in predictor mode, except under random
         scores, whose causal decision is their own noise (a predictor would have nothing to
         learn)."""
-        return self.causal_router == "predictor" and self.router_scores == "learned"
+        token = self.recursive and self.recursion_router == "token"  # decides exactly
+        return self.causal_router == "predictor" and self.router_scores == "learned" and not token
 
     @property
     def is_dense(self) -> bool:
-        return not self.routed_layers
+        """No router anywhere (a recursive model whose steps every token takes is dense too)."""
+        return not self.routed_layers and not self.recursion_routed_steps
 
     @property
     def full_kv_layers(self) -> list[int]:
         """The layers whose KV cache holds every token: dense ones, and routed ones too with
         ``skipped_kv="residual"`` or ``routing="mlp"`` (attention dense)."""
+        if self.recursive:  # unique layers, the first pass, steps every token takes
+            routed = set(self.recursion_routed_steps)
+            return [i for i, (_, r) in enumerate(self.layer_schedule) if r not in routed]
         every = self.skipped_kv == "residual" or self.routing == "mlp"
         routed = set() if every else set(self.routed_layers)
         return [i for i in range(self.n_layers) if i not in routed]
@@ -349,7 +489,13 @@ class MoDConfig:
     def dense_twin(self) -> MoDConfig:
         """The same model with every block dense: the baseline of the same size. With experts,
         each MLP becomes the plain SwiGLU of the same active size (``d_ff = experts_per_token *
-        d_ff_expert``): the dense model a token's FLOPs are compared with."""
+        d_ff_expert``): the dense model a token's FLOPs are compared with. A recursive model's
+        twin is the same unique layers without recursion."""
+        if self.recursive:
+            return dataclasses.replace(
+                self, recursions=1, recursion_sharing="middle_cycle", recursion_capacities=None,
+                recursion_router="expert", recursion_kv="recursion", causal_thresholds=(),
+            )  # fmt: skip
         if not self.has_experts:
             return dataclasses.replace(self, layer_pattern="D", skipped_kv="none")
         return dataclasses.replace(
@@ -417,6 +563,7 @@ MODEL_RANGES: dict[str, Range] = {
     "expert_capacity_factor": Range(lo=0, lo_open=True, optional=True),
     "moe_balance_loss_weight": Range(lo=0),
     "moe_z_loss_weight": Range(lo=0),
+    "recursions": Range(lo=1, hi=16, integer=True),
 }
 
 _TINY = dict(d_model=64, n_layers=4, n_heads=4, max_seq_len=128, predictor_hidden=32)

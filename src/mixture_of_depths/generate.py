@@ -28,7 +28,7 @@ from .cache import Cache, KVCache
 from .checks import NONNEGATIVE, NONNEGATIVE_INT, Range, token_tensor
 from .model import MoDTransformer
 from .precision import at_least_float32
-from .routing import Route, route_name
+from .routing import Route
 
 PREFILL_MODES = ("causal", "topk")
 
@@ -58,7 +58,7 @@ class GenerationOutput:
 
 
 def router_names(model: MoDTransformer) -> list[str]:
-    return [route_name(b.layer, kind) for b in model.blocks if b.routed for kind in b.route_kinds]
+    return model.route_names()
 
 
 # -- input checks ---------------------------------------------------------------------------------

@@ -32,9 +32,11 @@ from .checks import IGNORE_INDEX, check_targets, token_tensor
 from .config import MoDConfig
 from .experts import ExpertMLP, ExpertRoute, balance_loss, z_loss
 from .layers import RMSNorm
+from .layers import Predictor
 from .precision import at_least_float32
+from .recursion import KIND as RECURSION, Recursion
 from .routed import RoutedBlock
-from .routing import ROUTING_CHOICES, Route, router_aux_loss
+from .routing import ROUTING_CHOICES, Route, route_name, router_aux_loss
 
 
 @dataclass
@@ -64,6 +66,8 @@ class MoDTransformer(nn.Module):
         self.config = cfg = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(BLOCKS[kind](cfg, i) for i, kind in enumerate(cfg.layer_kinds))
+        # Mixture-of-Recursions (docs/mor.md): the blocks are the unique layers, applied by this
+        self.recursion = Recursion(cfg) if cfg.recursive else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -87,6 +91,18 @@ class MoDTransformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def route_names(self) -> list[str]:
+        """The names of the routes a forward returns, in order (`Route.name`)."""
+        if self.recursion is not None:
+            return [route_name(r, RECURSION) for r in self.recursion.routed]
+        return [route_name(b.layer, k) for b in self.blocks if b.routed for k in b.route_kinds]
+
+    def predictor_for(self, route: Route) -> Predictor:
+        """The causal predictor that scored `route` (predictor mode)."""
+        if route.kind == RECURSION:
+            return self.recursion.predictor[str(route.layer)]
+        return self.blocks[route.layer].predictor[route.kind]
 
     def check_input(self, idx: Tensor) -> Tensor:
         """Shape, length, dtype and id-range checks with clear messages (`checks.token_tensor`,
@@ -136,9 +152,13 @@ class MoDTransformer(nn.Module):
         x_BTD = self.embed(idx)
         p = Pass.start(self.config, idx, routing, cache, lengths, x_BTD.dtype)
         routes: list[Route] = []
-        for block in self.blocks:
-            x_BTD, block_routes = block(x_BTD, p)
-            routes.extend(block_routes)
+        rec_aux = None
+        if self.recursion is not None:
+            x_BTD, routes, rec_aux = self.recursion(self.blocks, x_BTD, p)
+        else:
+            for block in self.blocks:
+                x_BTD, block_routes = block(x_BTD, p)
+                routes.extend(block_routes)
         B, T = idx.shape
         if last_only and p.lengths is not None:  # right-padded rows end at different positions
             x_BTD = x_BTD[torch.arange(B, device=idx.device), p.lengths - 1][:, None]
@@ -149,6 +169,8 @@ class MoDTransformer(nn.Module):
             cache.advance(T if lengths is None else torch.as_tensor(lengths).cpu())
         # With a cache there is nothing to train: no aux loss (a prefill's would count padding).
         aux_loss = None if cache is not None else router_aux_loss(routes, logits)
+        if self.recursion is not None:  # its own: the routers' BCE, or token choice's balance
+            aux_loss = rec_aux
         out = MoDOutput(logits=logits, aux_loss=aux_loss, routes=routes)
         out.expert_routes = list(p.expert_routes)
         if out.expert_routes and cache is None:

@@ -200,7 +200,7 @@ def calibrate_predictors(model: nn.Module, idx: Tensor, take: float) -> list[flo
                 f"router {route.name}: no gap between predictor logits near a share {take} to put "
                 "the threshold in; calibrate on more varied tokens"
             )
-        fc2 = model.blocks[route.layer].predictor[route.kind].fc2
+        fc2 = model.predictor_for(route).fc2
         fc2.bias -= ((z[cut - 1] + z[cut]) / 2).to(fc2.bias.dtype)
     return [r.mask.float().mean().item() for r in model(idx, routing="causal").routes]
 
