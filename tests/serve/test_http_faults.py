@@ -1,0 +1,141 @@
+"""The HTTP layer under faults: a full queue (429 with Retry-After), a draining engine (503), a
+client that leaves (its request cancelled), SIGTERM on `mod serve` (the running request
+finishes, exit 0), and `mod serve` without the `[serve]` extra (a clear error)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from fake_engine import FakeEngine  # noqa: E402
+from http_helpers import http_model, open_stream  # noqa: E402
+
+from mixture_of_depths.cli import main  # noqa: E402
+from mixture_of_depths.data import ByteTokenizer  # noqa: E402
+from mixture_of_depths.runtime.checkpoint import save_checkpoint  # noqa: E402
+from mixture_of_depths.serve.server import ServerThread  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model():  # noqa: ANN201
+    return http_model()
+
+
+@pytest.fixture()
+def slow(model):  # noqa: ANN001, ANN201
+    """A stand-in engine that takes 20 ms a token, behind a live server."""
+    engine = FakeEngine(model, ByteTokenizer(), step_s=0.02)
+    engine.start()
+    with ServerThread(engine) as server:
+        yield engine, server
+
+
+def _until(cond, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_full_queue_is_429_with_retry_after_and_draining_is_503(slow):  # noqa: ANN001
+    engine, server = slow
+    url = f"{server.url}/v1/completions"
+    engine.full = True
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"  # 2.5 s, rounded up
+    assert r.json()["error"]["code"] == "queue_full"
+    engine.full = False
+    assert httpx.post(url, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    engine.closing = True
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    engine.closing = False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_has_its_request_cancelled(slow, stream):  # noqa: ANN001
+    engine, server = slow
+    body = {"prompt": "abc", "max_tokens": 50, "temperature": 0}
+    if stream:
+        sock = open_stream(server.port, body)
+    else:
+        sock = httpx.Client(base_url=server.url)
+        with pytest.raises(httpx.TimeoutException):  # leaves after 0.2 s, long before 50 tokens
+            sock.post("/v1/completions", json=body, timeout=0.2)
+    assert _until(lambda: len(engine.running) == 1)
+    req = next(iter(engine.running.values()))
+    sock.close()
+    assert _until(req.cancelled.is_set), "the request of a client that left was not cancelled"
+    assert _until(lambda: not engine.running)
+
+
+def test_serve_without_the_extra_says_how_to_install_it(monkeypatch, capsys, tmp_path):  # noqa: ANN001
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a)
+    )
+    assert main(["serve", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "mod serve needs the [serve] extra: pip install -e '.[serve]'" in err
+
+
+def _has_engine() -> bool:
+    return importlib.util.find_spec("mixture_of_depths.serve.engine") is not None
+
+
+def _port(proc: subprocess.Popen, timeout_s: float) -> int:
+    """The port `mod serve` says it listens on, read from its stderr (bounded)."""
+    deadline, seen = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stderr], [], [], 0.1)[0]:
+            line = proc.stderr.readline()
+            seen += line
+            if m := re.search(r"http://127\.0\.0\.1:(\d+)/v1", line):
+                return int(m.group(1))
+    raise AssertionError(f"mod serve did not say where it listens: {seen}")
+
+
+@pytest.mark.skipif(not _has_engine(), reason="serve/engine.py is not there yet")
+def test_sigterm_finishes_the_running_request_and_exits_0(model, tmp_path):  # noqa: ANN001
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixture_of_depths", "serve", str(ckpt), "--port", "0",
+         "--device", "cpu", "--grace", "60", "--log-level", "warning"],
+        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = _port(proc, timeout_s=60)
+        sock = open_stream(port, {"prompt": "def f(", "max_tokens": 40, "temperature": 0})
+        proc.send_signal(signal.SIGTERM)
+        got = b""
+        sock.settimeout(60)
+        while b"data: [DONE]" not in got:
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream ended before its end: {got[-300:]!r}"
+            got += chunk
+        sock.close()
+        assert b'"finish_reason": "length"' in got or b'"finish_reason": "stop"' in got
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
