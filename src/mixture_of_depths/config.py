@@ -584,6 +584,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small-moe-drop": {**_SMALL, **_EXPERTS, "layer_pattern": "D", "expert_capacity_factor": 0.5},
     "small-mode-staged": {**_SMALL, **_EXPERTS, "layer_pattern": "DR"},
     "small-mode-integrated": {**_SMALL, **_EXPERTS, "layer_pattern": "D", "n_noop_experts": 4},
+    # Mixture-of-Recursions at small's width and training FLOPs per token (1.04x at 256 tokens,
+    # `mod flops`): 4 unique layers, the middle two applied 3 times, steps at 25% and 12.5%.
+    "small-mor": {
+        **_SMALL,
+        "layer_pattern": "D",
+        "n_layers": 4,
+        "recursions": 3,
+        "recursion_capacities": (0.25, 0.125),
+    },  # fmt: skip
     "base": {**_BASE, "layer_pattern": "DR"},
     "base-dense": {**_BASE, "layer_pattern": "D"},
 }

@@ -23,7 +23,9 @@ token: KV bytes per token as a dense layer's. With ``routing="mlp"`` a routed la
 a dense layer's (every token, every key, every token cached) and only its MLP is routed.
 
 Every figure is a sum of the layer kinds' own cost functions (`model.BLOCKS[kind].cost`, priced by
-the modules in layers.py), so a new block kind brings its FLOPs with it.
+the modules in layers.py), so a new block kind brings its FLOPs with it. A recursive model
+(Mixture-of-Recursions, docs/mor.md) is priced per application of a layer (`layer_schedule`) by
+recursion.py's cost functions: a routed step's tokens, its router, its keys.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .config import LAYER_KINDS, MoDConfig
 from .experts import expert_share_bound
 from .layers import Attention
 from .model import BLOCKS
+from .recursion import decode_flops, forward_costs
 
 
 @dataclass
@@ -44,7 +47,7 @@ class LayerFlops:
     """FLOPs of one layer for one forward pass over a batch (top-k routing)."""
 
     layer: int
-    kind: str  # "D" dense or "R" routed
+    kind: str  # "D" dense or "R" routed; "r<step>" a routed recursion step's application
     tokens: int  # tokens that run the block's attention per sequence (all, with routing="mlp")
     matmul: float  # q/k/v/o projections and the MLP
     attention: float  # QK^T and AV, full products (FlopCounterMode's count)
@@ -128,7 +131,10 @@ class FlopReport:
 
 
 def _take_rates(cfg: MoDConfig, take_rate: float | list[float] | None) -> list[float]:
-    n_routed = len(cfg.routed_layers)
+    n_routed = len(cfg.recursion_routed_steps or cfg.routed_layers)
+    if cfg.recursive and take_rate is None:  # each step's capacity (token choice: balanced)
+        n, caps = cfg.recursions, cfg.recursion_capacities
+        return [(n - r) / n if caps is None else caps[r - 1] for r in cfg.recursion_routed_steps]
     if take_rate is None:
         takes = [cfg.capacity] * n_routed
     elif isinstance(take_rate, int | float):
@@ -137,8 +143,8 @@ def _take_rates(cfg: MoDConfig, take_rate: float | list[float] | None) -> list[f
         takes = [float(t) for t in take_rate]
     if len(takes) != n_routed or not all(0 <= t <= 1 for t in takes):
         raise ValueError(
-            f"take_rate must be one share in [0, 1] or one per routed layer ({n_routed}), "
-            f"got {take_rate!r}"
+            f"take_rate must be one share in [0, 1] or one per routed layer or recursion step "
+            f"({n_routed}), got {take_rate!r}"
         )
     return takes
 
@@ -190,8 +196,12 @@ def estimate_flops(
     takes = _take_rates(cfg, take_rate)
     given = _expert_shares(cfg, expert_share)
     context = seq_len if decode_context is None else decode_context
-    layers = [_layer_flops(cfg, i, B, T, given) for i in range(cfg.n_layers)]
-    decode, cached = _decode_estimate(cfg, takes, context, given)
+    if cfg.recursive:
+        layers = _recursion_flops(cfg, B, T)
+        decode, cached = _recursion_decode(cfg, takes, context)
+    else:
+        layers = [_layer_flops(cfg, i, B, T, given) for i in range(cfg.n_layers)]
+        decode, cached = _decode_estimate(cfg, takes, context, given)
     lm_head_tok = 2 * cfg.d_model * cfg.vocab_size
     report = FlopReport(
         config=cfg,
@@ -205,7 +215,7 @@ def estimate_flops(
         kv_bytes_per_token=sum(cached) * Attention.kv_entry(cfg) * bytes_per_element,
         bytes_per_element=bytes_per_element,
     )
-    if with_dense and (not cfg.is_dense or cfg.has_experts):
+    if with_dense and (not cfg.is_dense or cfg.has_experts or cfg.recursive):
         report.dense = estimate_flops(
             cfg.dense_twin(),
             seq_len,
@@ -245,6 +255,43 @@ def _layer_flops(cfg: MoDConfig, i: int, B: int, T: int, given: list[float] | No
         predictor=B * full.predictor,
         expert_share=share,
     )
+
+
+def _recursion_flops(cfg: MoDConfig, B: int, T: int) -> list[LayerFlops]:
+    """A recursive model's applications of its layers, in forward order."""
+    out = []
+    for (layer, step), (full, causal) in zip(
+        cfg.layer_schedule, forward_costs(cfg, T), strict=True
+    ):
+        routed = step in cfg.recursion_routed_steps
+        out.append(
+            LayerFlops(
+                layer=layer,
+                kind=f"r{step}" if routed else "D",
+                tokens=int(full.attn_tokens),
+                matmul=B * full.matmul,
+                attention=B * full.attention,
+                attention_causal=B * causal.attention,
+                router=B * full.router,
+                predictor=B * full.predictor,
+            )
+        )
+    return out
+
+
+def _recursion_decode(
+    cfg: MoDConfig, takes: list[float], context: int
+) -> tuple[float, list[float]]:
+    """FLOPs per decoded token and the share of the context each KV-cache layer holds."""
+    by_step = dict(zip(cfg.recursion_routed_steps, takes, strict=True))
+    per_app = [by_step.get(r, 1.0) for _, r in cfg.layer_schedule]
+    flops = decode_flops(cfg, per_app, context) + 2.0 * cfg.d_model * cfg.vocab_size
+    full = set(cfg.full_kv_layers)
+    cached = [
+        1.0 if i in full else (0.0 if cfg.recursion_kv == "share" else p)
+        for i, p in enumerate(per_app)
+    ]
+    return flops, cached
 
 
 def _decode_estimate(
@@ -324,6 +371,15 @@ def decode_cost(
     return flops, elements * element_size
 
 
+def _recursion_line(cfg: MoDConfig) -> str:
+    caps = cfg.recursion_capacities
+    steps = "token choice" if caps is None else ", ".join(f"{c:.1%}" for c in caps)
+    return (
+        f"; recursions {cfg.recursions} ({cfg.recursion_sharing}, recursion_kv "
+        f"{cfg.recursion_kv}), steps after the first: {steps}; kind r<step>: a routed step"
+    )
+
+
 def format_report(report: FlopReport) -> str:
     """A human table: per layer, totals, and the dense twin beside the model."""
 
@@ -334,7 +390,8 @@ def format_report(report: FlopReport) -> str:
     lines = [
         f"FLOPs (GFLOP) for batch {report.batch_size} x {report.seq_len} tokens, top-k forward, "
         f"layers {cfg.layer_kinds}, capacity {cfg.capacity}, routing {cfg.routing}"
-        + ("" if cfg.is_dense else f", skipped_kv {cfg.skipped_kv}"),
+        + ("" if cfg.is_dense or cfg.recursive else f", skipped_kv {cfg.skipped_kv}")
+        + (_recursion_line(cfg) if cfg.recursive else ""),
         f"{'layer':>5} {'kind':>4} {'tokens':>6} {'matmul':>10} {'attention':>10} "
         f"{'attn causal':>11} {'router':>10} {'predictor':>10} {'forward':>10}",
     ]

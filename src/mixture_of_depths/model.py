@@ -31,10 +31,10 @@ from .cache import Cache
 from .checks import IGNORE_INDEX, check_targets, token_tensor
 from .config import MoDConfig
 from .experts import ExpertMLP, ExpertRoute, balance_loss, z_loss
-from .layers import RMSNorm
-from .layers import Predictor
+from .layers import Predictor, RMSNorm
 from .precision import at_least_float32
-from .recursion import KIND as RECURSION, Recursion
+from .recursion import KIND as RECURSION
+from .recursion import Recursion
 from .routed import RoutedBlock
 from .routing import ROUTING_CHOICES, Route, route_name, router_aux_loss
 

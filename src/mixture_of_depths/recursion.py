@@ -364,21 +364,6 @@ def forward_costs(cfg: MoDConfig, seq_len: int) -> list[tuple[LayerCost, LayerCo
     return out
 
 
-def decode_takes(cfg: MoDConfig, take_rate: list[float] | None) -> list[float]:
-    """Per application, the share of decoded tokens that run it: 1 outside the routed steps;
-    at step r the given share (default: the step's capacity, or with token choice the balanced
-    (N_r - r) / N_r)."""
-    routed = cfg.recursion_routed_steps
-    if take_rate is None:
-        token = cfg.recursion_router == "token"
-        take_rate = [
-            (cfg.recursions - r) / cfg.recursions if token else cfg.recursion_capacities[r - 1]
-            for r in routed
-        ]
-    by_step = dict(zip(routed, take_rate, strict=True))
-    return [by_step.get(step, 1.0) if step is not None else 1.0 for _, step in cfg.layer_schedule]
-
-
 def decode_flops(cfg: MoDConfig, takes: list[float], context: float) -> float:
     """Expected FLOPs of the recursive stack per decoded token at `context` (routers on every
     token; a step's queries over its cached share of the context, "share": the whole)."""

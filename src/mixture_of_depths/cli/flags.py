@@ -21,6 +21,16 @@ def field_type(annotation: Any) -> Any:
     return annotation
 
 
+def comma_floats(text: str) -> tuple[float, ...]:
+    """``"0.25,0.125"`` -> (0.25, 0.125), for a tuple-of-floats field."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers such as 0.25,0.125, got {text!r}"
+        ) from None
+
+
 def add_preset_flag(parser: argparse.ArgumentParser) -> None:
     """--preset: the model preset the model flags override."""
     parser.add_argument(
@@ -65,6 +75,14 @@ def add_dataclass_flags(
                 action=argparse.BooleanOptionalAction,
                 default=None,
                 help=f"(default: {default})",
+            )
+        elif typing.get_origin(typ) is tuple:  # e.g. recursion_capacities: 0.25,0.125
+            parser.add_argument(
+                flag,
+                type=comma_floats,
+                default=None,
+                metavar="FLOATS",
+                help=f"comma-separated (default: {default})",
             )
         elif f.name in choices:
             parser.add_argument(
