@@ -1,0 +1,352 @@
+"""`Engine`: the serving engine under `mod serve`. One scheduler thread owns the model; requests
+join the running batch at the next step and leave it the moment they finish (docs/serving.md).
+
+Each step (`Engine._step`) admits waiting requests whose prompts fit the KV pages, plans each
+row's tokens (scheduler.py: a decoding row feeds its last sampled token, a prefilling row a chunk
+of its prompt, all in one forward), runs the model's own forward over the paged cache (paged.py),
+where each routed layer runs only on the entries whose token takes it, samples each row that has
+fed all it holds with its own settings and its own `torch.Generator`, emits the events, and drops
+finished and cancelled rows, freeing their pages at once. Admission and preemption: see
+scheduler.py's docstring (admit on the prompt's pages, preempt by recompute when the pool runs
+dry). `batching="static"` is the baseline: a batch starts only when the last one has finished.
+
+Sampling is `generate.sample_next` on each row's logits alone, with a generator seeded as
+`generate` seeds it, so a seeded request samples what `generate(model, [prompt], ..., seed=seed)`
+samples for that prompt alone (and greedy requests equal `generate_reference`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from ..generate import router_names, sample_next
+from ..model import MoDTransformer
+from .paged import PagedKVCache, paged_forward
+from .request import Request
+from .scheduler import Row, Scheduler
+from .types import Event, QueueFull, RequestError, SamplingParams, ShuttingDown
+
+__all__ = ["Engine", "Request"]
+
+log = logging.getLogger(__name__)
+BATCHING = ("continuous", "static")
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: MoDTransformer,
+        tokenizer,  # noqa: ANN001  (data.tokenizers.Tokenizer, or None: token ids only)
+        *,
+        model_name: str = "mod",
+        max_rows: int = 16,
+        page_size: int = 16,
+        kv_pages: int | None = None,
+        max_queue: int = 64,
+        prefill_chunk: int = 256,
+        batching: str = "continuous",
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value, lo in (
+            ("max_rows", max_rows, 1),
+            ("page_size", page_size, 1),
+            ("max_queue", max_queue, 0),
+            ("prefill_chunk", prefill_chunk, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        cfg = model.config
+        self.model = model.to(device).eval()
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_context, self.vocab_size = cfg.max_seq_len, cfg.vocab_size
+        self.device = torch.device(device)
+        self.eos_id: int | None = getattr(tokenizer, "eot_id", None)
+        if kv_pages is None:  # max_rows rows at full context in every layer
+            kv_pages = max_rows * math.ceil(cfg.max_seq_len / page_size)
+        dtype = next(model.parameters()).dtype
+        self.cache = PagedKVCache(cfg, kv_pages, page_size, self.device, dtype)
+        self.max_rows, self.max_queue = max_rows, max_queue
+        self.sched = Scheduler(self.cache, max_rows, prefill_chunk, batching)
+        self.routers = router_names(model)
+        self._cond = threading.Condition()  # guards the queue, the flags and the counters
+        self._cancels: set[str] = set()
+        self._draining = self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._last_submit = time.monotonic()
+        self._counts = dict(
+            requests_total=0,
+            tokens_prompt_total=0,
+            tokens_generated_total=0,
+            steps_total=0,
+            tokens_decoded_total=0,
+        )
+        self._takes = [0] * len(self.routers)
+        self._active_rows = 0
+        self._request_s = 1.0  # a running mean of request times, for Retry-After
+
+    # -- the caller's side ----------------------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="mod-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a request (thread-safe); RequestError naming the field, QueueFull, or
+        ShuttingDown when it cannot be."""
+        prompt = self._check(prompt, params)
+        seed = secrets.randbits(63) if params.seed is None else params.seed
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        request = Request(request_id, prompt, params, self.tokenizer, generator, self.cancel)
+        with self._cond:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down and admits no new requests")
+            room = self.max_queue + max(self.max_rows - len(self.sched.running), 0)
+            if len(self.sched.waiting) >= room:
+                wait = self._request_s * (len(self.sched.waiting) + 1) / self.max_rows
+                raise QueueFull(
+                    f"the queue is full ({self.max_queue} requests wait): retry later",
+                    retry_after=float(min(max(math.ceil(wait), 1), 60)),
+                )
+            self.sched.waiting.append(request)
+            self._counts["requests_total"] += 1
+            self._counts["tokens_prompt_total"] += len(prompt)
+            self._last_submit = time.monotonic()
+            self._cond.notify_all()
+        return request
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request: its row and pages are freed at the next step (idempotent)."""
+        with self._cond:
+            self._cancels.add(request_id)
+            self._cond.notify_all()
+
+    def drain(self, grace_s: float = 30.0) -> bool:
+        """Stop admitting; let running and queued requests finish within `grace_s` seconds,
+        cancel what is left, stop the thread. True if everything finished in time."""
+        with self._cond:
+            self._draining = True
+            busy = bool(self.sched.waiting or self.sched.running)
+            self._cond.notify_all()
+        if busy:
+            self.start()
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: not self.sched.waiting and not self.sched.running, timeout=grace_s
+            )
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        return done
+
+    def metrics(self) -> dict:
+        with self._cond:
+            counts = dict(self._counts)
+            decoded = counts["tokens_decoded_total"]
+            take_rate = {
+                n: (t / decoded if decoded else 0.0)
+                for n, t in zip(self.routers, self._takes, strict=True)
+            }
+            in_use = self.cache.pages_in_use()
+            return {
+                **counts,
+                "requests_running": len(self.sched.running),
+                "queue_depth": len(self.sched.waiting),
+                "active_rows": self._active_rows,
+                "kv_pages_in_use": dict(enumerate(in_use)),
+                "kv_pages_total": {i: p.n_pages for i, p in enumerate(self.cache.pools)},
+                "kv_bytes_in_use": self.cache.nbytes_in_use,
+                "kv_bytes_allocated": self.cache.nbytes_allocated,
+                "take_rate": take_rate,
+                "preemptions_total": self.sched.preemptions,
+            }
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+            raise RequestError("prompt must be a list of token ids", param="prompt")
+        if not prompt:
+            raise RequestError("prompt is empty: give at least one token", param="prompt")
+        for i, t in enumerate(prompt):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise RequestError(
+                    f"prompt token {t!r} at index {i} is not an id in [0, {self.vocab_size})",
+                    param="prompt",
+                )
+        n, ctx = len(prompt), self.max_context
+        if n >= ctx:
+            raise RequestError(
+                f"prompt has {n} tokens: the context is {ctx}, so at most {ctx - 1} leave room "
+                "for one new token",
+                param="prompt",
+            )
+        _check_params(params, n, ctx, self.tokenizer is not None)
+        return [int(t) for t in prompt]
+
+    # -- the scheduler thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.no_grad():
+            while True:
+                with self._cond:
+                    self._apply_cancels()
+                    if self._stopping:
+                        break
+                    idle = time.monotonic() - self._last_submit
+                    self.sched.admit(idle, self._draining)
+                    plan = self.sched.plan(self.sched.waiting.appendleft)
+                    if not plan:
+                        wait = 0.01 if self.sched.waiting else None
+                        self._cond.wait(wait)
+                        continue
+                try:
+                    self._step(plan)
+                except Exception:  # a bug, not a request's fault: fail the batch, keep serving
+                    log.exception("engine step failed; the running requests end with 'error'")
+                    for row in list(self.sched.running):
+                        self._end(row, "error")
+                with self._cond:
+                    self._counts["steps_total"] += 1
+                    self._cond.notify_all()
+            with self._cond:
+                for row in list(self.sched.running):
+                    self._end(row, "cancelled")
+                while self.sched.waiting:
+                    self.sched.waiting.popleft().finish("cancelled")
+                self._cond.notify_all()
+
+    def _apply_cancels(self) -> None:
+        for request_id in self._cancels:
+            row = self.sched.find(request_id)
+            if row is not None:
+                self._end(row, "cancelled")
+                continue
+            for request in self.sched.waiting:
+                if request.id == request_id:
+                    self.sched.waiting.remove(request)
+                    request.finish("cancelled")
+                    break
+        self._cancels.clear()
+
+    def _end(self, row: Row, reason: str) -> None:
+        """Drop the row (its pages freed now) and send the finish event."""
+        self.sched.remove(row)
+        request = row.request
+        elapsed = time.monotonic() - request.submitted
+        self._request_s = 0.9 * self._request_s + 0.1 * elapsed
+        request.finish(reason)
+
+    def _step(self, plan: list[tuple[Row, int]]) -> None:
+        """One forward over the plan's entries, then sampling and events."""
+        rows, positions, tokens = [], [], []
+        for row, t in plan:
+            rows += [row.id] * t
+            positions += range(row.fed, row.fed + t)
+            tokens += row.request.tokens[row.fed : row.fed + t]
+        logits, routing = paged_forward(self.model, self.cache, rows, positions, tokens)
+        self._count_routing(plan, routing)
+        self._active_rows = len(plan)
+        i = 0
+        for row, t in plan:
+            row.fed += t
+            i += t
+            if row.left == 0:
+                self._sample(row, logits[i - 1 : i])
+
+    def _count_routing(self, plan: list[tuple[Row, int]], routing: torch.Tensor) -> None:
+        """Take-rates over generated tokens fed back, each counted once (not again when a
+        preempted request recomputes them)."""
+        i, took, decoded = 0, torch.zeros(routing.shape[1], dtype=torch.long), 0
+        for row, t in plan:
+            request = row.request
+            first = max(row.fed, request.prompt_tokens + request.decoded)
+            if row.fed + t > first:
+                took += routing[i + first - row.fed : i + t].sum(0)
+                decoded += row.fed + t - first
+                request.decoded += row.fed + t - first
+            i += t
+        with self._cond:
+            self._counts["tokens_decoded_total"] += decoded
+            self._takes = [a + int(b) for a, b in zip(self._takes, took.tolist(), strict=True)]
+
+    def _sample(self, row: Row, logits: torch.Tensor) -> None:
+        request, p = row.request, row.request.params
+        token = int(sample_next(logits, p.temperature, p.top_k, p.top_p, request.generator)[0])
+        with self._cond:
+            self._counts["tokens_generated_total"] += 1
+        if p.stop_at_eos and token == self.eos_id:
+            self._end(row, "stop")
+            return
+        request.tokens.append(token)
+        text, stopped = request.text.add(token)
+        n = len(request.generated)
+        request.push(
+            Event(token=token, text=text, prompt_tokens=request.prompt_tokens, completion_tokens=n)
+        )
+        if stopped:
+            self._end(row, "stop")
+        elif n >= p.max_tokens:
+            self._end(row, "length")
+
+
+def _check_params(p: SamplingParams, n: int, ctx: int, has_tokenizer: bool) -> None:
+    """Each sampling setting in its range, or a RequestError naming it."""
+
+    def number(x: object) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not isinstance(p.max_tokens, int) or isinstance(p.max_tokens, bool) or p.max_tokens < 1:
+        raise RequestError(
+            f"max_tokens must be an integer >= 1, got {p.max_tokens!r}", param="max_tokens"
+        )
+    if n + p.max_tokens > ctx:
+        raise RequestError(
+            f"max_tokens={p.max_tokens} with a prompt of {n} tokens is {n + p.max_tokens} "
+            f"positions, more than the context of {ctx}: at most {ctx - n} here",
+            param="max_tokens",
+        )
+    if not number(p.temperature) or p.temperature < 0:
+        raise RequestError(
+            f"temperature must be a number >= 0 (0: greedy), got {p.temperature!r}",
+            param="temperature",
+        )
+    if p.top_p is not None and (not number(p.top_p) or not 0 < p.top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
+    if p.top_k is not None and (
+        not isinstance(p.top_k, int) or isinstance(p.top_k, bool) or p.top_k < 1
+    ):
+        raise RequestError(f"top_k must be an integer >= 1, got {p.top_k!r}", param="top_k")
+    if p.seed is not None and (
+        not isinstance(p.seed, int)
+        or isinstance(p.seed, bool)
+        or not _SEED_RANGE[0] <= p.seed <= _SEED_RANGE[1]
+    ):
+        raise RequestError(
+            f"seed must be an integer in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}], got {p.seed!r}",
+            param="seed",
+        )
+    stops = p.stop
+    if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a list of non-empty strings, got {stops!r}", param="stop")
+    if stops and not has_tokenizer:
+        raise RequestError(
+            "stop strings need a tokenizer: this engine serves token ids only", param="stop"
+        )
