@@ -1,5 +1,6 @@
 """Shared test settings and fixtures."""
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +17,16 @@ torch.set_num_threads(1)
 
 # The devices an oracle test runs on: the CPU always, CUDA where there is one (marked `cuda`, so
 # `pytest -m cuda` selects those variants; without a GPU they skip and cost nothing).
-CUDA = torch.cuda.is_available()
+# MOD_TEST_CUDA_ON_CPU=1 runs the CUDA variants on "cpu:0" instead: their own logic, checked
+# on a machine without a GPU (tests/cuda/devices.py reads the same switch).
+CUDA_ON_CPU = os.environ.get("MOD_TEST_CUDA_ON_CPU") == "1"
+CUDA = torch.cuda.is_available() or CUDA_ON_CPU
 DEVICES = [
     "cpu",
     pytest.param(
-        "cuda",
+        "cpu:0" if CUDA_ON_CPU else "cuda",
         marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device here")],
+        id="cuda",
     ),
 ]
 
