@@ -277,3 +277,96 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(z / p.shape[1] ** 0.5)
             else:
                 p.copy_(0.3 * z)
+
+
+# -- Mixture-of-Recursions (docs/mor.md) ----------------------------------------------------------
+def _recursion_row(
+    model: MoDTransformer, xs: list[Tensor], routing: str, out: dict
+) -> list[Tensor]:
+    """One row through a recursive model's stack: the unique layers, the first pass of the shared
+    ones for every token, then each later step on the tokens its router keeps among those still
+    active, `out[step]` collecting (chosen, top-k chosen, logits, predictor logits)."""
+    cfg, T = model.config, len(xs)
+    ps = [_Params(b, cfg) for b in model.blocks]
+    pre, shared, post = cfg.recursion_layers
+    for layer in pre:
+        xs = _add(xs, block_update(ps[layer], xs, list(range(T))))
+    rec = model.recursion
+    token = cfg.recursion_router == "token"
+    if token:  # one router: each token's number of passes, the first max wins
+        wd = _w(rec.router["depth"])
+        z = [[float(v) for v in wd @ x] for x in xs]
+        depth = [max(range(cfg.recursions), key=lambda d, zt=zt: (zt[d], -d)) for zt in z]
+        prob = [
+            math.exp(zt[d]) / sum(math.exp(v) for v in zt) for zt, d in zip(z, depth, strict=True)
+        ]
+    first: dict[int, list[Tensor]] = {}  # "share": each shared layer's input on the first pass
+    active, topk_active = list(range(T)), list(range(T))
+    for r in range(cfg.recursions):
+        if r == 0 or r not in cfg.recursion_routed_steps:
+            for layer in shared:
+                first.setdefault(layer, list(xs))
+                xs = _add(xs, block_update(ps[layer], xs, list(range(T))))
+            continue
+        if token:
+            logits = [max(zt[r:]) - max(zt[:r]) for zt in z]
+            chosen = [t for t in range(T) if depth[t] >= r]
+            top, pl, gates = chosen, None, prob
+        else:
+            w = _w(rec.router[str(r)])[0]
+            logits = [float(x @ w) for x in xs]
+            k = capacity_tokens(cfg.recursion_capacities[r - 1], T)
+            cand = [logits[t] if t in topk_active else -math.inf for t in range(T)]
+            top = topk_set(cand, k)
+            pl = (
+                [predictor_logit(rec.predictor[str(r)], x) for x in xs]
+                if cfg.has_predictor
+                else None
+            )
+            decision = logits if pl is None else pl
+            thr = cfg.causal_threshold(cfg.recursion_routed_steps.index(r))
+            chosen = top if routing == "topk" else [t for t in active if decision[t] > thr]
+            gates = [sigmoid(v) if cfg.router_gate == "sigmoid" else v for v in logits]
+        ys = [xs[t] for t in chosen]
+        for layer in shared:
+            keys = (first[layer], list(range(T))) if cfg.recursion_kv == "share" else None
+            ys = _add(ys, block_update(ps[layer], ys, chosen, keys)) if ys else ys
+        xs = list(xs)
+        for t, y in zip(chosen, ys, strict=True):
+            xs[t] = xs[t] + gates[t] * (y - xs[t])
+        out[r] = (chosen, top, logits, pl)
+        active, topk_active = chosen, top
+    for layer in post:
+        xs = _add(xs, block_update(ps[layer], xs, list(range(T))))
+    return xs
+
+
+def reference_recursion(model: MoDTransformer, idx: Tensor, routing: str = "topk") -> RefOutput:
+    """Loop forward of a recursive `model` (shared weights applied step by step, the active set
+    filtered per step) on `idx` (B, T); one route per routed step, `layer` its step number."""
+    cfg = model.config
+    B, T = idx.shape
+    emb = model.embed.weight.detach().to(torch.float64)
+    head = model.lm_head.weight.detach().to(torch.float64)
+    final_norm = model.norm.weight.detach().to(torch.float64)
+    steps = cfg.recursion_routed_steps
+    routes = [
+        RefRoute(r, "recursion", torch.zeros(B, T, dtype=torch.bool),
+                 torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.bool),
+                 torch.zeros(B, T, dtype=torch.float64) if cfg.has_predictor else None)
+        for r in steps
+    ]  # fmt: skip
+    logits = torch.zeros(B, T, cfg.vocab_size, dtype=torch.float64)
+    for b in range(B):
+        out: dict = {}
+        xs = _recursion_row(model, [emb[int(idx[b, t])].clone() for t in range(T)], routing, out)
+        for route in routes:
+            chosen, top, r_t, pl = out[route.layer]
+            route.mask[b, chosen] = True
+            route.target[b, top] = True
+            route.logits[b] = torch.tensor(r_t, dtype=torch.float64)
+            if pl is not None:
+                route.predictor_logits[b] = torch.tensor(pl, dtype=torch.float64)
+        for t in range(T):
+            logits[b, t] = head @ rms_norm(xs[t], final_norm, cfg.norm_eps)
+    return RefOutput(logits, routes)
