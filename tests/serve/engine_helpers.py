@@ -68,10 +68,10 @@ class PagedDriver:
         """Each (row, layer) holds the tokens the full causal forward caches there, on
         ceil(tokens / page_size) pages."""
         ps = self.cache.page_size
+        full = self.model.config.full_kv_layers  # every token: dense, residual, mlp
         for row, seq in self.seqs.items():
             decisions = causal_routes(self.model, seq)
             held = self.cache.pages_held(row)
-            full = self.model.config.full_kv_layers  # every token: dense, residual, mlp
             for layer in range(self.model.config.n_layers):
                 n = (
                     len(seq)
@@ -80,3 +80,37 @@ class PagedDriver:
                 )
                 assert self.cache.lengths[row][layer] == n, (row, layer)
                 assert held[layer] == math.ceil(n / ps), (row, layer)
+
+
+class LetterTokenizer:
+    """Token i is the letter chr(65 + i) (the test vocabulary of 61 ids), with an end-of-text
+    id that decodes to nothing: text whose oracle is plain string slicing."""
+
+    def __init__(self, eot_id: int = V - 1) -> None:
+        self.eot_id, self.vocab_size = eot_id, V
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(65 + i) for i in ids if i != self.eot_id)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 65 for c in text]
+
+
+def engine_pages_match_their_rows(engine) -> None:  # noqa: ANN001
+    """Each running row holds, per layer, the tokens the full causal forward of what it has fed
+    caches there, on ceil(tokens / page_size) pages; the pools count the rows' pages."""
+    cache, model = engine.cache, engine.model
+    full = model.config.full_kv_layers
+    for row in engine.sched.running:
+        fed = row.request.tokens[: row.fed]
+        if not fed:
+            assert cache.pages_held(row.id) == [0] * model.config.n_layers
+            continue
+        decisions = causal_routes(model, fed)
+        for layer in range(model.config.n_layers):
+            cached = cached_tokens(model, layer, decisions)
+            n = len(fed) if layer in full else int(cached.sum())
+            assert cache.lengths[row.id][layer] == n, (row.id, layer)
+            assert cache.pages_held(row.id)[layer] == math.ceil(n / cache.page_size)
+    held = [sum(cache.pages_held(r.id)[i] for r in engine.sched.running) for i in range(4)]
+    assert cache.pages_in_use() == held

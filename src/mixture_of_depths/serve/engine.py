@@ -83,7 +83,7 @@ class Engine:
         self.routers = router_names(model)
         self._cond = threading.Condition()  # guards the queue, the flags and the counters
         self._cancels: set[str] = set()
-        self._draining = self._stopping = False
+        self._draining = self._stopping = self._wake = False
         self._thread: threading.Thread | None = None
         self._last_submit = time.monotonic()
         self._counts = dict(
@@ -127,14 +127,14 @@ class Engine:
             self._counts["requests_total"] += 1
             self._counts["tokens_prompt_total"] += len(prompt)
             self._last_submit = time.monotonic()
-            self._cond.notify_all()
+            self._poke()
         return request
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request: its row and pages are freed at the next step (idempotent)."""
         with self._cond:
             self._cancels.add(request_id)
-            self._cond.notify_all()
+            self._poke()
 
     def drain(self, grace_s: float = 30.0) -> bool:
         """Stop admitting; let running and queued requests finish within `grace_s` seconds,
@@ -142,7 +142,7 @@ class Engine:
         with self._cond:
             self._draining = True
             busy = bool(self.sched.waiting or self.sched.running)
-            self._cond.notify_all()
+            self._poke()
         if busy:
             self.start()
         with self._cond:
@@ -150,7 +150,7 @@ class Engine:
                 lambda: not self.sched.waiting and not self.sched.running, timeout=grace_s
             )
             self._stopping = True
-            self._cond.notify_all()
+            self._poke()
             thread = self._thread
         if thread is not None:
             thread.join()
@@ -203,35 +203,48 @@ class Engine:
         return [int(t) for t in prompt]
 
     # -- the scheduler thread -------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduler iteration on the calling thread: cancellations, admission, one forward
+        of the planned rows, sampling and events. False when there was nothing to run. The
+        scheduler thread loops on this; a test may call it instead of `start()`."""
+        with self._cond:
+            self._wake = False
+            self._apply_cancels()
+            idle = time.monotonic() - self._last_submit
+            self.sched.admit(idle, self._draining)
+            plan = self.sched.plan(self.sched.waiting.appendleft)
+        if not plan:
+            return False
+        try:
+            with torch.no_grad():
+                self._step(plan)
+        except Exception:  # a bug, not a request's fault: fail the batch, keep serving
+            log.exception("engine step failed; the running requests end with 'error'")
+            for row in list(self.sched.running):
+                self._end(row, "error")
+        with self._cond:
+            self._counts["steps_total"] += 1
+            self._cond.notify_all()
+        return True
+
+    def _poke(self) -> None:
+        """Wake the scheduler thread (the caller holds the lock)."""
+        self._wake = True
+        self._cond.notify_all()
+
     def _run(self) -> None:
-        with torch.no_grad():
-            while True:
-                with self._cond:
-                    self._apply_cancels()
-                    if self._stopping:
-                        break
-                    idle = time.monotonic() - self._last_submit
-                    self.sched.admit(idle, self._draining)
-                    plan = self.sched.plan(self.sched.waiting.appendleft)
-                    if not plan:
-                        wait = 0.01 if self.sched.waiting else None
-                        self._cond.wait(wait)
-                        continue
-                try:
-                    self._step(plan)
-                except Exception:  # a bug, not a request's fault: fail the batch, keep serving
-                    log.exception("engine step failed; the running requests end with 'error'")
-                    for row in list(self.sched.running):
-                        self._end(row, "error")
-                with self._cond:
-                    self._counts["steps_total"] += 1
-                    self._cond.notify_all()
-            with self._cond:
-                for row in list(self.sched.running):
-                    self._end(row, "cancelled")
-                while self.sched.waiting:
-                    self.sched.waiting.popleft().finish("cancelled")
-                self._cond.notify_all()
+        while not self._stopping:
+            if self.step():
+                continue
+            with self._cond:  # nothing ran: sleep until a submit, cancel or drain (static
+                if not (self._wake or self._stopping):  # batching: poll for its idle time)
+                    self._cond.wait(0.01 if self.sched.waiting else None)
+        with self._cond:
+            for row in list(self.sched.running):
+                self._end(row, "cancelled")
+            while self.sched.waiting:
+                self.sched.waiting.popleft().finish("cancelled")
+            self._cond.notify_all()
 
     def _apply_cancels(self) -> None:
         for request_id in self._cancels:
