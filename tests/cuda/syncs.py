@@ -44,7 +44,7 @@ class SyncCounter(TorchFunctionMode):
         self.device: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.syncs: Counter[str] = Counter()
         self.uploads = 0
-        self.where: Counter[str] = Counter()  # "op at file:line", the caller's frame
+        self.where: Counter[str] = Counter()  # "op at file:function", the reader
         for obj in device_tensors:
             self.mark(obj)
 
@@ -83,6 +83,9 @@ class SyncCounter(TorchFunctionMode):
         elif not on_device and to_device and isinstance(args[0], torch.Tensor):
             self.uploads += 1
         out = func(*args, **kwargs)
+        if (name == "cpu" or to_device) and out is args[0]:
+            # On a CPU both return the tensor itself; on a GPU, a copy on the other side.
+            out = out.view_as(out)
         device_out = (on_device or to_device or _factory_on_device(name, kwargs)) and (
             name not in READS
         )
@@ -100,7 +103,7 @@ def _caller() -> str:
         f = f.f_back
     if f is None:
         return "?"
-    return f"{Path(f.f_code.co_filename).name}:{f.f_lineno}"
+    return f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}"
 
 
 overrides_file = torch.overrides.__file__
