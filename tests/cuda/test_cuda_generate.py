@@ -8,8 +8,8 @@ import pytest
 import torch
 from devices import CUDA_ONLY, MODES, moved, on_cuda
 from generate_helpers import make_model, make_prompts
-from helpers import random_tokens, tiny_config
 from helpers import make_model as make_tiny
+from helpers import random_tokens, tiny_config
 from syncs import SyncCounter
 
 from mixture_of_depths import generate
@@ -118,7 +118,7 @@ def test_a_training_step_reads_nothing_on_the_host(kw):
     model = make_tiny(tiny_config(**kw), dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx, y = random_tokens(2, 32, 0), random_tokens(2, 32, 1)
-    for step in range(2):
+    for _ in range(2):  # the second step: AdamW reads its step counters on the first
         with SyncCounter(model, idx, y) as c:
             model(idx, y, routing="topk").loss.backward()
             c.mark_grads(model)
