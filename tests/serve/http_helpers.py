@@ -17,6 +17,7 @@ from helpers import make_model, tiny_config
 from mixture_of_depths import MoDTransformer
 from mixture_of_depths.data import ByteTokenizer
 from mixture_of_depths.generate import generate_reference
+from mixture_of_depths.serve.engine import Engine
 from mixture_of_depths.serve.metrics import parse_prometheus
 from mixture_of_depths.serve.server import ServerThread
 
@@ -30,21 +31,10 @@ def http_model(seed: int = 0) -> MoDTransformer:
     return make_model(cfg, seed, torch.float64, take=0.5, calib_idx=calib)
 
 
-def make_engine(model: MoDTransformer, tokenizer: ByteTokenizer, **kw):  # noqa: ANN201
-    """The real engine (serve/engine.py) where it exists, else the stand-in."""
-    try:
-        from mixture_of_depths.serve.engine import Engine
-    except ModuleNotFoundError:
-        from fake_engine import FakeEngine
-
-        kw = {k: v for k, v in kw.items() if k in ("model_name", "max_queue")}
-        return FakeEngine(model, tokenizer, **kw)
-    return Engine(model, tokenizer, **kw)
-
-
 @contextmanager
-def live_server(model: MoDTransformer, **engine_kw) -> Iterator[tuple[object, ServerThread]]:
-    engine = make_engine(model, ByteTokenizer(), **engine_kw)
+def live_server(model: MoDTransformer, **engine_kw) -> Iterator[tuple[Engine, ServerThread]]:
+    """The real engine behind a live server; both shut down however the test ends."""
+    engine = Engine(model, ByteTokenizer(), **engine_kw)
     engine.start()
     server = ServerThread(engine)
     try:
@@ -55,12 +45,12 @@ def live_server(model: MoDTransformer, **engine_kw) -> Iterator[tuple[object, Se
         engine.drain(5.0)
 
 
-def reference(model: MoDTransformer, prompt: list[int], n: int) -> list[int]:
+def reference(model: MoDTransformer, prompt: list[int], n: int, eos: bool = True) -> list[int]:
     """The oracle: greedy, no cache, this prompt alone; the final end-of-text dropped (it ends
     the completion and has no text)."""
     eot = ByteTokenizer.eot_id
-    toks = generate_reference(model, [prompt], n, eos_id=eot).tokens[0]
-    return toks[:-1] if toks and toks[-1] == eot else toks
+    toks = generate_reference(model, [prompt], n, eos_id=eot if eos else None).tokens[0]
+    return toks[:-1] if eos and toks and toks[-1] == eot else toks
 
 
 def metrics(url: str) -> dict:

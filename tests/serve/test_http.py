@@ -30,6 +30,7 @@ from http_helpers import (  # noqa: E402
 )
 
 from mixture_of_depths.data import ByteTokenizer  # noqa: E402
+from mixture_of_depths.generate import generate  # noqa: E402
 
 TOK = ByteTokenizer()
 
@@ -78,6 +79,31 @@ def test_concurrent_greedy_completions_equal_the_reference(model, live):  # noqa
         assert r.usage.prompt_tokens == len(_ids(PROMPTS[i]))
         assert r.usage.completion_tokens == len(exp)
         assert r.object == "text_completion" and r.model == "mod"
+
+
+def test_seeded_samples_stop_strings_and_ignore_eos_are_the_libraries(model, live):  # noqa: ANN001
+    """A seeded sampled completion is `generate`'s with that seed for the prompt alone; a stop
+    string cuts the greedy answer before its first occurrence; ignore_eos runs to max_tokens."""
+    _, server = live
+    c = client(server)
+    prompt = TOK.encode("for i in")
+    ids = {"return_token_ids": True}
+    kw = dict(model="mod", prompt=prompt, max_tokens=20)
+    sampled = dict(temperature=0.9, top_p=0.95, seed=11)
+    r = c.completions.create(**kw, **sampled, extra_body={**ids, "top_k": 40})
+    exp = generate(model, [prompt], 20, **sampled, top_k=40, eos_id=TOK.eot_id).tokens[0]
+    exp = [t for t in exp if t != TOK.eot_id]
+    assert r.choices[0].model_extra["token_ids"] == exp
+    full = TOK.decode(exp)
+    stops = [ch for ch in full[2:] if ch.isascii() and ch.isprintable()]
+    assert stops, f"no stop-string candidate in the sampled answer {full!r}"
+    cut = c.completions.create(**kw, **sampled, stop=[stops[0], "\x00never"],
+                               extra_body={"top_k": 40})  # fmt: skip
+    assert cut.choices[0].text == full[: full.index(stops[0])]
+    assert cut.choices[0].finish_reason == "stop"
+    long = c.completions.create(**kw, temperature=0, extra_body={**ids, "ignore_eos": True})
+    assert long.choices[0].model_extra["token_ids"] == reference(model, prompt, 20, eos=False)
+    assert long.usage.completion_tokens == 20
 
 
 def test_a_stream_concatenates_to_the_whole_answer(model, live):  # noqa: ANN001
@@ -188,15 +214,19 @@ def test_models_health_and_metrics(live):  # noqa: ANN001
 
 def test_dropped_streams_free_their_rows_and_pages(live):  # noqa: ANN001
     _, server = live
+    n_new = MAX_LEN - 5
+    before = wait_idle(server.url)["mod_tokens_generated_total"]
 
     def drop(i: int) -> None:
-        sock = open_stream(server.port, {"prompt": [i % 200 + 1] * 4, "max_tokens": 40,
-                                         "temperature": 0})  # fmt: skip
+        sock = open_stream(server.port, {"prompt": [i % 200 + 1] * 4, "max_tokens": n_new,
+                                         "temperature": 0, "ignore_eos": True})  # fmt: skip
         sock.close()
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(drop, range(100)))
     m = wait_idle(server.url)
+    made = m["mod_tokens_generated_total"] - before
+    assert made < 100 * n_new / 2, f"{made} tokens: the dropped requests ran on"
     assert m["mod_requests_running"] == 0 and m["mod_queue_depth"] == 0
     assert all(v == 0 for v in m["mod_kv_pages_in_use"].values()), m["mod_kv_pages_in_use"]
     r = client(server).completions.create(model="mod", prompt="a", max_tokens=3)

@@ -97,10 +97,6 @@ def test_serve_without_the_extra_says_how_to_install_it(monkeypatch, capsys, tmp
     assert "mod serve needs the [serve] extra: pip install -e '.[serve]'" in err
 
 
-def _has_engine() -> bool:
-    return importlib.util.find_spec("mixture_of_depths.serve.engine") is not None
-
-
 def _port(proc: subprocess.Popen, timeout_s: float) -> int:
     """The port `mod serve` says it listens on, read from its stderr (bounded)."""
     deadline, seen = time.monotonic() + timeout_s, ""
@@ -113,7 +109,6 @@ def _port(proc: subprocess.Popen, timeout_s: float) -> int:
     raise AssertionError(f"mod serve did not say where it listens: {seen}")
 
 
-@pytest.mark.skipif(not _has_engine(), reason="serve/engine.py is not there yet")
 def test_sigterm_finishes_the_running_request_and_exits_0(model, tmp_path):  # noqa: ANN001
     ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

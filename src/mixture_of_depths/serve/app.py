@@ -72,7 +72,7 @@ def create_app(
     async def completions(request: Request) -> Response:
         sub, model = _parse(await _read_body(request, max_body_bytes), engine, tok)
         handle = await _submit(engine, sub)
-        cid, created = f"cmpl-{handle.id}", now()
+        cid, created = _completion_id(handle.id), now()
         if sub.stream:
             events = _sse(engine, handle, sub, cid, created, model)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -187,6 +187,18 @@ async def _submit(engine: Any, sub: Submission) -> Any:
         raise APIError(503, msg, None, "shutting_down", "server_error") from None
 
 
+def _failed(reason: str) -> APIError:
+    """A request the engine ended without an answer: cancelled (shutting down) or a failed step."""
+    if reason == "error":
+        msg = "the engine failed while running this request (see the server's log)"
+        return APIError(500, msg, None, "engine_error", "server_error")
+    return _cancelled()
+
+
+def _completion_id(request_id: str) -> str:
+    return request_id if request_id.startswith("cmpl-") else f"cmpl-{request_id}"
+
+
 def _cancelled() -> APIError:
     return APIError(
         503, "the request was cancelled: the server is shutting down", None, "cancelled",
@@ -235,8 +247,8 @@ async def _whole(
     if not collector.done() or collector.cancelled():
         return Response(status_code=CLIENT_CLOSED)
     text, ids, final = collector.result()
-    if final is None or final.finish_reason == "cancelled":
-        raise _cancelled()
+    if final is None or final.finish_reason in ("cancelled", "error"):
+        raise _failed(final.finish_reason if final is not None else "cancelled")
     if sub.echo_text is not None:
         text = sub.echo_text + text
     use = usage(final.prompt_tokens or len(sub.prompt_ids), final.completion_tokens)
@@ -265,8 +277,8 @@ async def _sse(
                     yield _data(completion_body(cid, created, model, ev.text, None, None, extra))
                 continue
             finished = True
-            if ev.finish_reason == "cancelled":
-                yield _data(_cancelled().body())
+            if ev.finish_reason in ("cancelled", "error"):
+                yield _data(_failed(ev.finish_reason).body())
                 break
             extra = _ids(sub, ids, prompt=False)
             last = completion_body(cid, created, model, ev.text, ev.finish_reason, None, extra)

@@ -29,7 +29,15 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
         "gauge",
         "Share of the tokens decoded that took each routed layer.",
     ),
+    ("kv_bytes_allocated", "mod_kv_bytes_allocated", "gauge", "Bytes of the KV page pools."),
     ("steps_total", "mod_steps_total", "counter", "Scheduler steps (model forwards) run."),
+    ("tokens_decoded_total", "mod_tokens_decoded_total", "counter", "Tokens fed in decode."),
+    (
+        "preemptions_total",
+        "mod_preemptions_total",
+        "counter",
+        "Requests preempted (their pages freed, recomputed later) when the pool ran dry.",
+    ),
 )
 
 

@@ -73,6 +73,7 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     echo: bool | None = False
     return_token_ids: bool | None = False  # an extension, as in vLLM: the ids beside the text
+    ignore_eos: bool | None = False  # an extension, as in vLLM: run to max_tokens (benchmarks)
     # Not supported: refused unless neutral.
     logprobs: int | None = None
     best_of: int | None = None
@@ -185,6 +186,7 @@ def to_submission(req: CompletionRequest, tokenizer: Any) -> Submission:
         top_k=req.top_k,
         seed=req.seed,
         stop=_stop(req.stop),
+        stop_at_eos=not req.ignore_eos,
     )
     echo_text = None
     if req.echo:
