@@ -115,3 +115,39 @@ def test_nccl_estimate_counts_the_bytes_of_ring_collectives():
         assert compute_s == pytest.approx(row["ddp"]["network_ms"] / 1e3)
     mod, dense = out["models"]
     assert mod["train_flops_per_token"] < dense["train_flops_per_token"]
+
+
+def test_calibration_benchmark_brings_each_take_rate_to_the_capacity(tmp_path):
+    """`calibration.py` on an untrained MoD checkpoint (its predictors take 50-85% at threshold
+    0): the thresholds it fits on one half of the held-out windows bring every router's take-rate
+    on the other half nearer the capacity, and both models' loss and decode speed are reported."""
+    from helpers import make_model, tiny_config
+
+    from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
+
+    model = make_model(tiny_config(vocab_size=257, capacity=0.25), dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    corpus = tmp_path / "corpus"  # enough held-out windows for two halves of 8 batches
+    corpus.mkdir()
+    rng = torch.Generator().manual_seed(0)
+    words = "def return self import class for in if else while x y z ( ) [ ] : = + 1 2".split()
+    for i in range(24):
+        idx = torch.randint(0, len(words), (1500,), generator=rng).tolist()
+        (corpus / f"f{i:02d}.py").write_text(" ".join(words[j] for j in idx) + "\n")
+    args = [str(ckpt), "--data", str(corpus), "--eval-batches", "8", "--batch-size", "4",
+            "--prompt-len", "16", "--new-tokens", "4", "--batch-sizes", "1,2",
+            "--repeats", "1"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "calibration.py"), *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["calibration"]
+    assert len(row["thresholds"]) == model.config.n_routers
+    for name, rate in row["calibrated"]["take_rate"].items():
+        # fitted on the other half of a tiny corpus: nearer the capacity, not at it
+        assert abs(rate - 0.25) < min(0.12, abs(row["trained"]["take_rate"][name] - 0.25))
+    for name in ("trained", "calibrated"):
+        assert row[name]["decode_tok_s_b2"] > 0
+        assert len(row[name]["decode_take_b2"]) == model.config.n_routers
