@@ -196,12 +196,11 @@ class PagedKVCache:
         pool, ps = self.pools[layer], self.page_size
         S = max(upto)
         P = math.ceil(S / ps)
-        table = torch.zeros(len(rows), P, dtype=torch.long)
-        for i, (row, n) in enumerate(zip(rows, upto, strict=True)):
-            pages = self.tables[row][layer][: math.ceil(n / ps)]
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-            table[i, len(pages) :] = pages[0]
-        idx = table.to(self.device)
+        table = []
+        for row, n in zip(rows, upto, strict=True):
+            pages = self.tables[row][layer][: -(-n // ps)]
+            table.append(pages + pages[:1] * (P - len(pages)))
+        idx = torch.tensor(table, dtype=torch.long, device=self.device)
         R = len(rows)
         K = pool.k[idx].view(R, P * ps, *pool.k.shape[2:])[:, :S].transpose(1, 2)
         V = pool.v[idx].view(R, P * ps, *pool.v.shape[2:])[:, :S].transpose(1, 2)
