@@ -101,3 +101,21 @@ def test_worst_case_and_room_count_pages_per_layer():
     assert room == min((2 + h) * 4 - n for n, h in zip(lens, held, strict=True))
     assert max(cache.worst_case_pages(0, room)) <= 2 < max(cache.worst_case_pages(0, room + 1))
     assert cache.max_new_tokens(None, free) == 8
+
+
+@pytest.mark.parametrize("kind", ["predictor", "staggered", "residual", "dense"])
+def test_a_step_of_first_tokens_only_runs_as_the_models_prefill_and_stays_exact(kind):
+    """Every entry at position 0 (one-token prompts): the model's prefill path
+    (`write_prefill`), then decode steps; each row equals its full causal forward."""
+    model = serve_model(kind)
+    d = PagedDriver(model, n_pages=64, page_size=4)
+    p = prompts((1, 1, 1))
+    got = {row: [out] for row, out in d.feed({0: p[0], 1: p[1], 2: p[2]}).items()}
+    for _ in range(5):
+        step = d.feed({row: [int(got[row][-1][0][-1].argmax())] for row in got})
+        for row, out in step.items():
+            got[row].append(out)
+    d.check_pages()
+    for row, seq in d.seqs.items():
+        full = model(torch.tensor([seq]), routing="causal")
+        torch.testing.assert_close(torch.cat([g[0] for g in got[row]]), full.logits[0], **TOL)
