@@ -7,12 +7,14 @@ import argparse
 import sys
 from typing import Any
 
-from ..studies import convert, isoflop, kv, mode, round2, round3, workers
+from ..studies import convert, isoflop, kv, mode, mor, round2, round3, workers
 from ..studies.runner import Plan, study
 from ..train import TrainingStopped
 
 # the plans `runner.study` runs; convert has a loop of its own; the rounds plan from their results
-PLANS: dict[str, Plan] = {"isoflop": isoflop.ISOFLOP, "mode": mode.PLAN, "kv": kv.PLAN}
+PLANS: dict[str, Plan] = {
+    "isoflop": isoflop.ISOFLOP, "mode": mode.PLAN, "kv": kv.PLAN, "mor": mor.PLAN
+}  # fmt: skip
 ROUNDS = {"round2": round2, "round3": round3}
 
 
@@ -27,10 +29,12 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--plan",
         default="isoflop",
-        choices=["isoflop", "mode", "kv", "convert", "round2", "round3"],
+        choices=["isoflop", "mode", "kv", "mor", "convert", "round2", "round3"],
         help="isoflop: MoD against dense over sizes, with ablations; mode: dense, MoD, MoE, MoE "
         "with dropping, staged and integrated MoDE; kv: the KV strategies (skipped_kv none and "
-        "residual) at two capacities and two lengths; convert: a pretrained dense model "
+        "residual) at two capacities and two lengths; mor: Mixture-of-Recursions (expert and token "
+        "choice, recursion-wise and shared KV, the plain recursive model) beside dense and MoD, "
+        "and at equal unique parameters (docs/mor.md); convert: a pretrained dense model "
         "converted to MoD, untrained, router-tuned, distilled, fully fine-tuned (docs/convert; "
         "needs the [hf] extra); round2: the second round on BPE tokens: routing ablations with "
         "compute-matched random baselines and diagnostics, then the grid at 256 and 1024 tokens "
