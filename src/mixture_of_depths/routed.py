@@ -19,9 +19,11 @@ from statistics import NormalDist
 import torch
 from torch import Tensor, nn
 
+from . import kernels
 from .blocks import Block, Count, Pass
 from .cache import kv_hook
 from .config import ROUTE_KINDS, MoDConfig
+from .kernels import fused
 from .layers import KVHook, LayerCost, LayerKV, Predictor, price
 from .routing import (
     Route,
@@ -155,6 +157,8 @@ class RoutedBlock(Block):
             if kind != "mlp" and self.residual_kv and p.cache is not None:
                 self.layer_kv(x_BTD, p, idx_BK)  # the cache still stores every token
             return x_BTD
+        if kernels.enabled() and fused.applies(self, kind, p):  # opt-in Triton path (kernels/)
+            return fused.run_topk(self, kind, x_BTD, r_BT, idx_BK, p)
         # Flat row indices into (B*T, D): index_select/index_copy move whole rows, several times
         # cheaper than gather/scatter with a D-expanded index.
         rows_N = (idx_BK + T * torch.arange(B, device=idx_BK.device)[:, None]).flatten()
