@@ -119,3 +119,15 @@ def test_a_step_of_first_tokens_only_runs_as_the_models_prefill_and_stays_exact(
     for row, seq in d.seqs.items():
         full = model(torch.tensor([seq]), routing="causal")
         torch.testing.assert_close(torch.cat([g[0] for g in got[row]]), full.logits[0], **TOL)
+
+
+@pytest.mark.parametrize("kind", ["predictor", "residual"])
+def test_one_rows_chunk_alone_equals_its_full_forward(kind):
+    """A step holding one row's chunk and nothing else (its keys shared by every entry)."""
+    model = serve_model(kind)
+    d = PagedDriver(model, n_pages=64, page_size=4)
+    p = prompts((19,))[0]
+    got = [d.feed({0: p[:8]})[0], d.feed({0: p[8:]})[0]]
+    full = model(torch.tensor([p]), routing="causal")
+    torch.testing.assert_close(torch.cat([g[0] for g in got]), full.logits[0], **TOL)
+    d.check_pages()

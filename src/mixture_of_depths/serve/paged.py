@@ -269,8 +269,11 @@ class PagedView:
             for row, n in zip(rows, upto, strict=True):
                 most[row] = max(most.get(row, 0), n)
             K, V = step.cache._gather(layer, distinct, [most[r] for r in distinct])
-            which = torch.tensor([distinct.index(r) for r in rows], device=K.device)
-            K, V = K[which], V[which]
+            if len(distinct) == 1:  # one row's chunk alone: views, no copies
+                K, V = K.expand(len(rows), *K.shape[1:]), V.expand(len(rows), *V.shape[1:])
+            else:
+                which = torch.tensor([distinct.index(r) for r in rows], device=K.device)
+                K, V = K[which], V[which]
         S = K.shape[2]
         if all(n == S for n in upto):
             return K, V, None

@@ -23,7 +23,11 @@ class SamplingParams:
 class Event:
     """One step of a request: a new token (and the text it completes, which may be "" while a
     multi-byte character is incomplete), or the end (`finish_reason` "stop" or "length", or
-    "cancelled"), with the usage counts."""
+    "cancelled", or "error" when a step failed), with the usage counts.
+
+    The finish event may carry text too: what was held back because it could have begun a stop
+    string, so the texts of all events add up to the completion. An end-of-text token that
+    stops a completion gets no event and is not counted in `completion_tokens`."""
 
     token: int | None = None
     text: str = ""
