@@ -117,6 +117,19 @@ def test_only_the_cli_imports_the_studies():
         assert not bad, (name, bad)
 
 
+def test_the_server_stands_on_the_library_and_only_the_cli_runs_it():
+    """serve/ imports the library only (never cli/, train/, studies/, bench/), and only cli/
+    imports its HTTP modules (they need the [serve] extra: docs/serving.md)."""
+    above = tuple(f"{PKG}.{a}" for a in ("cli", "train", "studies", "bench"))
+    http = tuple(f"{PKG}.serve.{m}" for m in ("server", "app"))
+    for name, path in _modules().items():
+        targets = [t for t, _, _ in _imports(name, path)]
+        if name.startswith(f"{PKG}.serve"):
+            assert not [t for t in targets if t.startswith(above)], name
+        elif not name.startswith(f"{PKG}.cli"):
+            assert not [t for t in targets if t.startswith(http)], name
+
+
 def _python_files() -> list[Path]:
     return [p for d in ("src", "tests", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
 
