@@ -332,3 +332,30 @@ def _hammer(n_requests: int, n_threads: int) -> None:
 
 def test_a_hammer_of_200_requests_from_32_threads():
     _hammer(200, 32)
+
+
+def test_a_failing_step_ends_its_batch_with_error_and_the_engine_keeps_serving(monkeypatch):
+    import mixture_of_depths.serve.engine as engine_module
+
+    model = serve_model("predictor")
+    ps = prompts((6, 9))
+    engine = _engine(model)
+    real = engine_module.paged_forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "paged_forward", flaky)
+    failed = engine.submit(ps[0], SamplingParams(max_tokens=8, **GREEDY))
+    while engine.step():
+        pass
+    assert failed.result(0)[2] == "error"
+    _all_pages_back(engine)
+    ok = engine.submit(ps[1], SamplingParams(max_tokens=8, **GREEDY))
+    while engine.step():
+        pass
+    assert ok.result(0)[0] == _references(model, ps[1:], [8])[0]

@@ -211,13 +211,18 @@ class Engine:
             self._wake = False
             self._apply_cancels()
             idle = time.monotonic() - self._last_submit
-            self.sched.admit(idle, self._draining)
-            plan = self.sched.plan(self.sched.waiting.appendleft)
+            try:
+                self.sched.admit(idle, self._draining)
+                plan = self.sched.plan(self.sched.waiting.appendleft)
+            except Exception:  # a bug: fail the batch, keep serving
+                log.exception("engine planning failed; the running requests end with 'error'")
+                for row in list(self.sched.running):
+                    self._end(row, "error")
+                return True
         if not plan:
             return False
         try:
-            with torch.no_grad():
-                self._step(plan)
+            self._step(plan)
         except Exception:  # a bug, not a request's fault: fail the batch, keep serving
             log.exception("engine step failed; the running requests end with 'error'")
             for row in list(self.sched.running):
