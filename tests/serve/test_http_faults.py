@@ -134,3 +134,24 @@ def test_sigterm_finishes_the_running_request_and_exits_0(model, tmp_path):  # n
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_first_signal_drains_and_a_second_stops_at_once(model):  # noqa: ANN001
+    """`mod serve`'s signal handling without a process: the first SIGTERM marks the server
+    draining (/health 503, new completions refused by the engine) and drains the engine in the
+    background, then lets uvicorn close; a second signal forces the exit."""
+    import uvicorn
+
+    from mixture_of_depths.serve.app import ServeState, create_app
+    from mixture_of_depths.serve.server import DrainingServer
+
+    engine = FakeEngine(model, ByteTokenizer())
+    engine.start()
+    state = ServeState()
+    server = DrainingServer(uvicorn.Config(create_app(engine, state=state)), engine, state, 5.0)
+    server.handle_exit(signal.SIGTERM, None)
+    assert state.draining and engine.closing
+    assert _until(lambda: server.should_exit) and server.drained is True
+    assert not server.force_exit and server._captured_signals == []  # not re-raised at exit
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit
