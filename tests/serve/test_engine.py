@@ -18,6 +18,7 @@ from engine_helpers import (
     prompts,
     serve_model,
 )
+from generate_helpers import causal_routes
 
 from mixture_of_depths.data.tokenizers import ByteTokenizer
 from mixture_of_depths.generate import generate, generate_reference
@@ -359,3 +360,28 @@ def test_a_failing_step_ends_its_batch_with_error_and_the_engine_keeps_serving(m
     while engine.step():
         pass
     assert ok.result(0)[0] == _references(model, ps[1:], [8])[0]
+
+
+def test_take_rates_are_the_decoded_tokens_share_of_each_routers_decisions():
+    """Over generated tokens fed back (not prompts, not the last token, never sampled again),
+    each router's take-rate is the share the full causal forward takes."""
+    model = serve_model("staggered")
+    ps, ns = prompts((7, 4)), [10, 6]
+    engine = _engine(model, max_rows=2)
+    reqs = [
+        engine.submit(p, SamplingParams(max_tokens=n, **GREEDY))
+        for p, n in zip(ps, ns, strict=True)
+    ]
+    while engine.step():
+        pass
+    fed = []
+    for p, r in zip(ps, reqs, strict=True):
+        seq = p + r.result(0)[0]
+        fed.append(causal_routes(model, seq[:-1])[len(p) :])
+    decisions = torch.cat(fed).double()
+    m = engine.metrics()
+    assert m["tokens_decoded_total"] == len(decisions) == sum(ns) - len(ns)
+    names = list(m["take_rate"])
+    assert names == ["0.attn", "0.mlp", "2.attn", "2.mlp", "3.attn", "3.mlp"]
+    for name, rate in zip(names, decisions.mean(0).tolist(), strict=True):
+        assert m["take_rate"][name] == pytest.approx(rate, abs=1e-12), name
