@@ -385,3 +385,22 @@ def test_take_rates_are_the_decoded_tokens_share_of_each_routers_decisions():
     assert names == ["0.attn", "0.mlp", "2.attn", "2.mlp", "3.attn", "3.mlp"]
     for name, rate in zip(names, decisions.mean(0).tolist(), strict=True):
         assert m["take_rate"][name] == pytest.approx(rate, abs=1e-12), name
+
+
+def test_static_batching_admits_only_into_an_empty_batch():
+    model = serve_model("dense")
+    ps = prompts((5, 6, 7))
+    engine = _engine(model, max_rows=2, batching="static")
+    first = [
+        engine.submit(p, SamplingParams(max_tokens=n, **GREEDY))
+        for p, n in [(ps[0], 3), (ps[1], 9)]
+    ]
+    assert engine.step()  # a full batch starts at once
+    late = engine.submit(ps[2], SamplingParams(max_tokens=4, **GREEDY))
+    while first[1].finish_reason is None:
+        assert engine.metrics()["queue_depth"] == 1  # the row `first[0]` left stays empty
+        engine.step()
+    time.sleep(0.06)  # a partial batch starts once the queue has been idle
+    while engine.step():
+        pass
+    assert late.result(0)[0] == _references(model, ps[2:], [4])[0]
