@@ -291,8 +291,10 @@ def ratios(results: dict[str, dict[str, dict]]) -> dict[str, Any]:
 def print_report(args: argparse.Namespace, results: dict, rat: dict, busy: float | None) -> None:
     src = "untrained small preset (--quick)" if args.quick else f"{args.mod} and {args.dense}"
     (p_lo, p_hi), (o_lo, o_hi) = args.prompt_lens, args.output_lens
-    print(f"serving under load: {src}; {args.requests} requests per rate, prompts {p_lo}-{p_hi}, "
-          f"outputs {o_lo}-{o_hi} tokens, max_rows {args.max_rows}, device {args.device}")
+    print(
+        f"serving under load: {src}; {args.requests} requests per rate, prompts {p_lo}-{p_hi}, "
+        f"outputs {o_lo}-{o_hi} tokens, max_rows {args.max_rows}, device {args.device}"
+    )
     print(f"{'configuration':17} {'rate':>5}  throughput, TTFT p50 / p99, TPOT p50 / p99, KV")
     for name, rows in results.items():
         for rate, r in rows.items():
