@@ -9,7 +9,7 @@ that change every step. Here every row computes every routed block and masks dec
 a row that takes the block gets ``x + g(r) * f`` and appends its key and value at its own
 length; a row that skips keeps x bit for bit and writes its key and value to a trash slot that
 no query ever reads. So the step is the eager one's arithmetic on more rows, and its tokens are
-the eager ones (`tests/cuda/test_cuda_static_decode.py`, greedy in float64). The price is the
+the eager ones (`tests/cuda/test_cuda_generate.py`, greedy in float64). The price is the
 routed blocks' compute on the skipping rows: little at batch 64, where nearly every routed
 layer has a taker anyway (1 - (1 - c)^B), the whole saving at batch 1 (docs/bench.md, GPU).
 
