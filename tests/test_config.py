@@ -78,6 +78,10 @@ def test_presets_exist_and_pair_up():
                 base.n_layers,
                 base.n_heads,
             )
+        elif cfg.recursive:  # Mixture-of-Recursions: the base's width, fewer unique layers
+            base = MoDConfig.preset(name.split("-")[0])
+            assert (cfg.d_model, cfg.n_heads) == (base.d_model, base.n_heads)
+            assert cfg.n_layers < base.n_layers and cfg.recursions > 1
         else:
             assert not cfg.is_dense
             assert f"{name}-dense" in PRESETS

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from .checks import POSITIVE, POSITIVE_INT, SHARE, Range, check_choice, check_fields
 from .fileio import atomic_write_text
+from .presets import PRESETS
 
 # The sub-blocks each routing mode routes, one router each (docs/semantics.md, "Joint, staggered
 # and MLP-only routing"): the whole block; attention and the MLP apart; only the MLP, with
@@ -512,7 +513,10 @@ class MoDConfig:
 
     # -- serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as JSON has them (tuples as lists): what `to_json` writes."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MoDConfig:
@@ -564,35 +568,4 @@ MODEL_RANGES: dict[str, Range] = {
     "moe_balance_loss_weight": Range(lo=0),
     "moe_z_loss_weight": Range(lo=0),
     "recursions": Range(lo=1, hi=16, integer=True),
-}
-
-_TINY = dict(d_model=64, n_layers=4, n_heads=4, max_seq_len=128, predictor_hidden=32)
-_SMALL = dict(d_model=192, n_layers=8, n_heads=6, max_seq_len=256)
-_EXPERTS = dict(n_experts=4, experts_per_token=1)
-_BASE = dict(d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=512)
-
-# Routed presets follow the paper's best: every other block routed at 12.5% capacity.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {**_TINY, "layer_pattern": "DR"},
-    "tiny-dense": {**_TINY, "layer_pattern": "D"},
-    "small": {**_SMALL, "layer_pattern": "DR"},
-    "small-dense": {**_SMALL, "layer_pattern": "D"},
-    # Experts at small's active parameters per token (top-1 of experts as wide as its MLP):
-    # MoE; the "MoE relying on dropping" baseline (half the slots at most); staged MoDE (MoD
-    # blocks whose MLPs are expert layers); integrated MoDE (four no-op experts beside four).
-    "small-moe": {**_SMALL, **_EXPERTS, "layer_pattern": "D"},
-    "small-moe-drop": {**_SMALL, **_EXPERTS, "layer_pattern": "D", "expert_capacity_factor": 0.5},
-    "small-mode-staged": {**_SMALL, **_EXPERTS, "layer_pattern": "DR"},
-    "small-mode-integrated": {**_SMALL, **_EXPERTS, "layer_pattern": "D", "n_noop_experts": 4},
-    # Mixture-of-Recursions at small's width and training FLOPs per token (1.04x at 256 tokens,
-    # `mod flops`): 4 unique layers, the middle two applied 3 times, steps at 25% and 12.5%.
-    "small-mor": {
-        **_SMALL,
-        "layer_pattern": "D",
-        "n_layers": 4,
-        "recursions": 3,
-        "recursion_capacities": (0.25, 0.125),
-    },  # fmt: skip
-    "base": {**_BASE, "layer_pattern": "DR"},
-    "base-dense": {**_BASE, "layer_pattern": "D"},
 }
