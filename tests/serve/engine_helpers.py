@@ -15,7 +15,7 @@ from mixture_of_depths.serve.paged import PagedKVCache, paged_forward
 MAX_LEN = 64
 F64 = torch.float64
 # name -> config overrides: MoD in both causal modes, staggered, MLP-only routing, residual KV,
-# dense, and staged MoDE (expert MLPs in MoD blocks).
+# dense, staged MoDE (expert MLPs in MoD blocks), and MoR (both KV strategies, both routers).
 KINDS = {
     "mod": dict(routing="joint", causal_router="aux_loss"),
     "predictor": dict(routing="joint", causal_router="predictor"),
@@ -24,7 +24,13 @@ KINDS = {
     "residual": dict(routing="joint", causal_router="predictor", skipped_kv="residual"),
     "dense": dict(layer_pattern="D"),
     "mode": dict(routing="joint", causal_router="predictor", n_experts=2, experts_per_token=1),
-}
+    # Mixture-of-Recursions: the middle layers applied 3 times, a cache layer per application
+    "mor": dict(layer_pattern="D", recursions=3, recursion_capacities=(0.5, 0.3),
+                causal_router="predictor"),
+    "mor-share": dict(layer_pattern="D", recursions=3, recursion_capacities=(0.5, 0.3),
+                      causal_router="predictor", recursion_kv="share"),
+    "mor-token": dict(layer_pattern="D", recursions=3, recursion_router="token"),
+}  # fmt: skip
 
 
 def serve_model(kind: str = "predictor", seed: int = 0, **overrides) -> MoDTransformer:

@@ -109,7 +109,7 @@ class PagedKVCache:
         self.device, self.dtype = torch.device(device), dtype
         self.pools = [
             PagePool(n_pages, page_size, config.n_kv_heads, config.head_dim, dtype, self.device)
-            for _ in range(config.n_layers)
+            for _ in range(config.n_kv_layers)  # one per application of a layer (MoR)
         ]
         self.tables: dict[int, list[list[int]]] = {}  # row -> per layer, its pages in order
         self.lengths: dict[int, list[int]] = {}  # row -> per layer, the tokens it holds
