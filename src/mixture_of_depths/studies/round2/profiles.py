@@ -72,6 +72,7 @@ def position_profile(
     seq_len: int,
     n_batches: int,
     edges: list[int] | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """A trained model's held-out loss (causal routing) by place in the context, on the batches
     training validated on: the mean over the places in each bucket (`edges`, by default
@@ -79,17 +80,19 @@ def position_profile(
     falls with the place is what the model learns from its context (repeats, copying). On the
     CPU in float32, as the study trains, the place-weighted mean of the buckets is the run's
     causal validation loss (the trainer autocasts on a GPU; this runs in float32 on the CPU),
-    except under random routing, which draws its decisions anew."""
-    model, _ = load_model(ckpt)
+    except under random routing, which draws its decisions anew. `device`: where the forwards
+    run, in float32 there too (the GPU plan, `studies.gpu`, profiles on its GPU)."""
+    model, _ = load_model(ckpt, map_location=device)
     model.eval()
     val = load_splits(data, load_tokenizer(ckpt))[1]
     sums = torch.zeros(seq_len, dtype=torch.float64)
     rows = 0
     with torch.no_grad():
         for x, y in eval_batches(val, batch_size, seq_len, n_batches):
+            x, y = x.to(device), y.to(device)
             logits = model(x, routing="causal").logits.float()
             nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-            sums += nll.view_as(y).double().sum(0)
+            sums += nll.view_as(y).double().sum(0).cpu()
             rows += len(x)
     per_place = sums / rows
     edges = position_buckets(seq_len) if edges is None else edges
