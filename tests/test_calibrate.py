@@ -54,6 +54,30 @@ def test_fitted_thresholds_give_each_router_the_capacity(routing, causal_router)
     assert routing_accuracy(topk) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("recursion_kv", ["recursion", "share"])
+def test_recursion_steps_are_fitted_to_their_own_capacities_among_active_tokens(recursion_kv):
+    """MoR: a step continues a token iff it is still active and its score clears the threshold,
+    so each step's threshold is fitted among the active tokens, for the step's own capacity as a
+    share of all tokens (not the MoD `capacity`): the take-rates after fitting are (0.5, 0.25)
+    on the fitted tokens, counted over every token; the masks stay nested."""
+    cfg = tiny_config(layer_pattern="D", recursions=3, recursion_capacities=(0.5, 0.25),
+                      causal_router="predictor", recursion_kv=recursion_kv)  # fmt: skip
+    model = make_model(cfg)
+    batches = [random_tokens(4, 48, seed=s) for s in range(3)]
+    thresholds = fit_thresholds(model, batches)
+    assert len(thresholds) == 2 and model.config.causal_thresholds == tuple(thresholds)
+    n = sum(x.numel() for x in batches)
+    rates = causal_take_rates(model, batches)
+    for rate, want in zip(rates.values(), (0.5, 0.25), strict=True):
+        assert abs(rate - want) <= 0.001 + 2 / n, rates
+    for x in batches:
+        first, second = model(x, routing="causal").routes
+        assert not (second.mask & ~first.mask).any()  # nested: only active tokens continue
+    token = make_model(tiny_config(layer_pattern="D", recursions=3, recursion_router="token"))
+    with pytest.raises(ValueError, match="token-choice recursion .* nothing to calibrate"):
+        fit_thresholds(token, batches)
+
+
 def test_cached_generation_decides_with_the_thresholds():
     """Decode steps decide with the thresholds as the full causal forward does (float64)."""
     model = make_model(tiny_config(capacity=0.25))

@@ -58,14 +58,36 @@ def threshold_at(scores: Tensor, take: float) -> float:
     return float((z[j] + z[j + 1]) / 2)
 
 
-def _scores(model: MoDTransformer, batches: Sequence[Tensor], i: int, device: Any) -> Tensor:
-    """Router `i`'s causal scores over the tokens of `batches` (forward order of the routes)."""
-    out = []
+def targets(cfg: MoDConfig, take: float | None = None) -> list[float]:
+    """Each router's take-rate to calibrate to: `take` if given, else its capacity (a MoD
+    router's `capacity`; a recursion step's `recursion_capacities` entry, as a share of all
+    tokens)."""
+    if cfg.recursive and cfg.recursion_router == "token":
+        raise ValueError("token-choice recursion assigns each token its depth with no threshold "
+                         "on a score to move: nothing to calibrate")  # fmt: skip
+    if take is not None:
+        return [take] * cfg.n_routers
+    if cfg.recursive:
+        return [cfg.recursion_capacities[r - 1] for r in cfg.recursion_routed_steps]
+    return [cfg.capacity] * cfg.n_routers
+
+
+def _scores(
+    model: MoDTransformer, batches: Sequence[Tensor], i: int, device: Any
+) -> tuple[Tensor, int]:
+    """Router `i`'s causal scores (forward order of the routes) over the tokens of `batches`
+    that can take it, and the number of tokens. For a recursion step those are the tokens still
+    active after the step before (the decision is "active and score > threshold"); for a MoD
+    router, every token."""
+    out, n = [], 0
+    nested = model.config.recursive and i > 0
     for x in batches:
         with autocast_for(device):
             routes = model(x.to(device), routing="causal").routes
-        out.append(routes[i].decision_logits.detach().float().flatten().cpu())
-    return torch.cat(out)
+        score = routes[i].decision_logits.detach().float()
+        out.append((score[routes[i - 1].mask] if nested else score).flatten().cpu())
+        n += x.numel()
+    return torch.cat(out), n
 
 
 @torch.no_grad()
@@ -73,16 +95,18 @@ def fit_thresholds(
     model: MoDTransformer, batches: Sequence[Tensor], take: float | None = None
 ) -> list[float]:
     """Fit, in forward order, the threshold of every router of `model` so that its causal
-    take-rate over the tokens of `batches` (token ids, (B, T) each) is `take` (default: the
-    capacity); set them on the model (its config's `causal_thresholds`) and return them."""
+    take-rate over the tokens of `batches` (token ids, (B, T) each) is `take` (default: its
+    capacity, `targets`); set them on the model (its config's `causal_thresholds`) and return
+    them. A recursion step continues only tokens still active, so its threshold is fitted among
+    those, for its share of all tokens (below every active score when they are fewer)."""
     cfg = model.config
     if cfg.is_dense:
         raise ValueError("calibrating thresholds needs routed blocks: the model is dense")
     if cfg.router_scores == "random":
         raise ValueError("random router scores decide by their own noise: nothing to calibrate")
-    take = cfg.capacity if take is None else take
-    if not 0 < take < 1:
+    if take is not None and not 0 < take < 1:
         raise ValueError(f"take must be in (0, 1), got {take}")
+    goal = targets(cfg, take)
     if not batches:
         raise ValueError("calibration needs at least one batch of held-out tokens")
     was_training = model.training
@@ -92,7 +116,12 @@ def fit_thresholds(
     try:
         for i in range(cfg.n_routers):
             set_config(model, causal_thresholds=tuple(thresholds))
-            thresholds[i] = threshold_at(_scores(model, batches, i, device), take)
+            scores, n = _scores(model, batches, i, device)
+            share = goal[i] * n / max(len(scores), 1)  # of the tokens that can take it
+            if len(scores) and share >= 1:  # fewer active than the step keeps: all continue
+                thresholds[i] = float(scores.min()) - 1.0
+            else:
+                thresholds[i] = threshold_at(scores, share)
         set_config(model, causal_thresholds=tuple(thresholds))
     finally:
         model.train(was_training)

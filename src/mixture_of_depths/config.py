@@ -270,10 +270,15 @@ class MoDConfig:
                 f"causal_thresholds must be finite numbers, one per router, got {given!r}"
             )
         if values and len(values) != self.n_routers:
+            where = (
+                f"{len(self.recursion_routed_steps)} routed recursion steps, "
+                f"{self.recursion_router} choice"
+                if self.recursive
+                else f"{len(self.routed_layers)} routed layers, {self.routing} routing"
+            )
             raise ValueError(
                 f"causal_thresholds={values!r}: give {self.n_routers} thresholds, one per router "
-                f"in forward order ({len(self.routed_layers)} routed layers, {self.routing} "
-                "routing), or none"
+                f"in forward order ({where}), or none"
             )
         if values and self.router_scores == "random":
             raise ValueError("causal_thresholds need learned router scores (random ones decide "

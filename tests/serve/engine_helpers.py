@@ -74,18 +74,13 @@ class PagedDriver:
         """Each (row, layer) holds the tokens the full causal forward caches there, on
         ceil(tokens / page_size) pages."""
         ps = self.cache.page_size
-        full = self.model.config.full_kv_layers  # every token: dense, residual, mlp
         for row, seq in self.seqs.items():
             decisions = causal_routes(self.model, seq)
             held = self.cache.pages_held(row)
-            for layer in range(self.model.config.n_layers):
-                n = (
-                    len(seq)
-                    if layer in full
-                    else int(cached_tokens(self.model, layer, decisions).sum())
-                )
-                assert self.cache.lengths[row][layer] == n, (row, layer)
-                assert held[layer] == math.ceil(n / ps), (row, layer)
+            for vl in range(self.model.config.n_kv_layers):
+                n = layer_tokens(self.model, vl, decisions)
+                assert self.cache.lengths[row][vl] == n, (row, vl)
+                assert held[vl] == math.ceil(n / ps), (row, vl)
 
 
 class LetterTokenizer:
@@ -102,21 +97,36 @@ class LetterTokenizer:
         return [ord(c) - 65 for c in text]
 
 
+def layer_tokens(model: MoDTransformer, vl: int, decisions: torch.Tensor) -> int:
+    """The tokens of one row that KV-cache layer `vl` holds, from the full causal forward's
+    decisions (T, routes): every token in a full layer; for a MoR step the tokens its route took
+    (none with ``recursion_kv="share"``: later steps read the first pass's); for MoD the tokens
+    the layer's attention router took."""
+    cfg = model.config
+    if vl in cfg.full_kv_layers:
+        return decisions.shape[0]
+    if cfg.recursive:
+        step = cfg.layer_schedule[vl][1]
+        if cfg.recursion_kv == "share":
+            return 0
+        return int(decisions[:, cfg.recursion_routed_steps.index(step)].sum())
+    return int(cached_tokens(model, vl, decisions).sum())
+
+
 def engine_pages_match_their_rows(engine) -> None:  # noqa: ANN001
-    """Each running row holds, per layer, the tokens the full causal forward of what it has fed
-    caches there, on ceil(tokens / page_size) pages; the pools count the rows' pages."""
+    """Each running row holds, per cache layer, the tokens the full causal forward of what it
+    has fed caches there, on ceil(tokens / page_size) pages; the pools count the rows' pages."""
     cache, model = engine.cache, engine.model
-    full = model.config.full_kv_layers
+    layers = range(model.config.n_kv_layers)
     for row in engine.sched.running:
         fed = row.request.tokens[: row.fed]
         if not fed:
-            assert cache.pages_held(row.id) == [0] * model.config.n_layers
+            assert cache.pages_held(row.id) == [0] * len(layers)
             continue
         decisions = causal_routes(model, fed)
-        for layer in range(model.config.n_layers):
-            cached = cached_tokens(model, layer, decisions)
-            n = len(fed) if layer in full else int(cached.sum())
-            assert cache.lengths[row.id][layer] == n, (row.id, layer)
-            assert cache.pages_held(row.id)[layer] == math.ceil(n / cache.page_size)
-    held = [sum(cache.pages_held(r.id)[i] for r in engine.sched.running) for i in range(4)]
+        for vl in layers:
+            n = layer_tokens(model, vl, decisions)
+            assert cache.lengths[row.id][vl] == n, (row.id, vl)
+            assert cache.pages_held(row.id)[vl] == math.ceil(n / cache.page_size)
+    held = [sum(cache.pages_held(r.id)[i] for r in engine.sched.running) for i in layers]
     assert cache.pages_in_use() == held

@@ -50,7 +50,7 @@ def _serve(engine: Engine, ps, ns, gap_s: float = 0.002) -> list[tuple]:  # noqa
 
 def _all_pages_back(engine: Engine) -> None:
     m = engine.metrics()
-    assert m["requests_running"] == 0 and m["queue_depth"] == 0
+    assert m["requests_running"] == 0 and m["queue_depth"] == 0 and m["active_rows"] == 0
     assert set(m["kv_pages_in_use"].values()) == {0} and m["kv_bytes_in_use"] == 0
 
 
@@ -113,7 +113,7 @@ def test_pages_follow_what_each_row_caches_at_every_step():
     _all_pages_back(engine)
 
 
-@pytest.mark.parametrize("kind", ["predictor", "dense"])
+@pytest.mark.parametrize("kind", ["predictor", "dense", "mor", "mor-share"])
 def test_preemption_under_a_tiny_pool_keeps_every_answer_exact(kind):
     """A pool of one row at full context (16 pages of 4) for four rows: rows are preempted,
     requeued with their tokens as prompt, and recomputed; answers do not change (a seeded

@@ -169,7 +169,8 @@ def test_each_bad_request_gets_its_4xx_and_the_server_keeps_answering(live):  # 
                 assert err["param"] in ("prompt", "max_tokens"), (body, err)
             ok = h.post(url, json={"prompt": "ok", "max_tokens": 2, "temperature": 0})
             assert ok.status_code == 200, (body, ok.text)
-        for raw in (b"{not json", b'{"prompt": "x", "temperature": NaN}', b"[1, 2]"):
+        deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # under the size limit
+        for raw in (b"{not json", b'{"prompt": "x", "temperature": NaN}', b"[1, 2]", deep):
             r = h.post(url, content=raw, headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         big = json.dumps({"prompt": "x" * (1 << 20)}).encode()

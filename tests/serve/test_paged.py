@@ -49,21 +49,24 @@ def test_chunks_and_decode_steps_in_one_forward_equal_each_row_alone(kind):
         assert torch.equal(routing, torch.stack(expected, -1) if expected else routing), row
 
 
-@pytest.mark.parametrize("kind", ["predictor", "staggered", "residual", "dense"])
+@pytest.mark.parametrize(
+    "kind", ["predictor", "staggered", "residual", "dense", "mor", "mor-share"]
+)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_each_row_holds_ceil_tokens_over_page_size_pages_and_frees_them(kind, page_size):
     model = serve_model(kind)
     d, _ = _drive(model, page_size)
     d.check_pages()  # lengths = what the full causal forward caches; pages = ceil(len / size)
     in_use = d.cache.pages_in_use()
-    assert in_use == [sum(d.cache.pages_held(r)[layer] for r in d.seqs) for layer in range(4)]
+    layers = range(model.config.n_kv_layers)
+    assert in_use == [sum(d.cache.pages_held(r)[vl] for r in d.seqs) for vl in layers]
     assert d.cache.nbytes_in_use == sum(in_use) * d.cache.pools[0].page_bytes
     if kind == "predictor" and page_size == 1:  # routed layers hold fewer than the dense 1
         assert max(in_use[0], in_use[2], in_use[3]) < in_use[1]
     for row in list(d.seqs):
         d.cache.free_row(row)
-    assert d.cache.pages_in_use() == [0] * 4
-    assert d.cache.free_pages() == [64] * 4
+    assert d.cache.pages_in_use() == [0] * len(layers)
+    assert d.cache.free_pages() == [64] * len(layers)
 
 
 def test_pool_storage_grows_with_the_pages_in_use():

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..calibrate import causal_take_rates, fit_thresholds
+from ..calibrate import causal_take_rates, fit_thresholds, targets
 from ..data import load_tokenizer
 from ..fileio import json_text
 from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint, save_checkpoint
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "checkpoint": str(out),
         "capacity": cfg.capacity,
+        "target_take_rate": dict(zip(names, targets(cfg), strict=True)),
         "thresholds": dict(zip(names, thresholds, strict=True)),
         "before": before,
         "after": after,
@@ -80,10 +81,11 @@ def _measure(model: Any, batches: list, device: Any) -> dict[str, Any]:
 
 def _lines(r: dict[str, Any]) -> list[str]:
     b, a = r["before"], r["after"]
-    lines = [f"{r['checkpoint']}: causal thresholds fitted for capacity {r['capacity']:.1%}"]
+    lines = [f"{r['checkpoint']}: causal thresholds fitted to each router's capacity"]
     for name, thr in r["thresholds"].items():
         lines.append(
-            f"router {name}: threshold {thr:+.4f}, causal take-rate {b['take_rate'][name]:.1%} "
+            f"router {name}: target {r['target_take_rate'][name]:.1%}, threshold {thr:+.4f}, "
+            f"causal take-rate {b['take_rate'][name]:.1%} "
             f"-> {a['take_rate'][name]:.1%} on held-out batches, routing accuracy "
             f"{b['routing_accuracy'][name]:.2%} -> {a['routing_accuracy'][name]:.2%}"
         )

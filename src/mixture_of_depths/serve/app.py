@@ -161,6 +161,9 @@ def _parse(body: bytes, engine: Any, tokenizer: Any) -> tuple[Submission, str]:
         data = json.loads(body, parse_constant=_no_constant)  # NaN and Infinity are not JSON
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # arrays nested deeper than the parser's stack, under the size limit
+        msg = "the body is not valid JSON: nested too deeply"
+        raise APIError(400, msg, code="invalid_json") from None
     req = parse_request(data)
     if req.model is not None and req.model != engine.model_name:
         raise APIError(

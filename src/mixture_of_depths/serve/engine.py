@@ -94,7 +94,6 @@ class Engine:
             tokens_decoded_total=0,
         )
         self._takes = [0] * len(self.routers)
-        self._active_rows = 0
         self._request_s = 1.0  # a running mean of request times, for Retry-After
 
     # -- the caller's side ----------------------------------------------------------------------
@@ -169,7 +168,7 @@ class Engine:
                 **counts,
                 "requests_running": len(self.sched.running),
                 "queue_depth": len(self.sched.waiting),
-                "active_rows": self._active_rows,
+                "active_rows": len(self.sched.running),  # rows in the batch, holding pages
                 "kv_pages_in_use": dict(enumerate(in_use)),
                 "kv_pages_total": {i: p.n_pages for i, p in enumerate(self.cache.pools)},
                 "kv_bytes_in_use": self.cache.nbytes_in_use,
@@ -281,7 +280,6 @@ class Engine:
             tokens += row.request.tokens[row.fed : row.fed + t]
         logits, routing = paged_forward(self.model, self.cache, rows, positions, tokens)
         self._count_routing(plan, routing)
-        self._active_rows = len(plan)
         i = 0
         for row, t in plan:
             row.fed += t
