@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request at most")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the throughput and "
+                   "latency against the request rate there")  # fmt: skip
     return p
 
 
@@ -311,6 +313,34 @@ def print_report(args: argparse.Namespace, results: dict, rat: dict, busy: float
         print(f"other processes kept {busy:.0%} of the CPUs busy during the run")
 
 
+def plot(results: dict[str, dict[str, dict]], path: str) -> None:
+    """Throughput, TTFT p50 and TPOT p50 against the request rate, one line per configuration
+    (saturation, ``inf``, drawn at the right end)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = (("throughput_tok_s", 1.0, "throughput (tokens/s)"),
+              ("ttft_p50_s", 1e3, "time to first token, p50 (ms)"),
+              ("tpot_p50_s", 1e3, "time per output token, p50 (ms)"))  # fmt: skip
+    for name, rows in results.items():
+        keys = list(rows)
+        xs = list(range(len(keys)))
+        for ax, (key, scale, label) in zip(axes, panels, strict=True):
+            ys = [None if rows[k][key] is None else rows[k][key] * scale for k in keys]
+            ax.plot(xs, ys, marker="o", label=name, linestyle="-" if "mod" in name else "--")
+            ax.set_xticks(xs, [k if k != "inf" else "all at once" for k in keys])
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("mod serve under an open-loop load (benchmarks/serve.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -324,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     busy = others_busy(before, cpu_snapshot())
     rat = ratios(results)
     print_report(args, results, rat, busy)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
     settings = {k: v for k, v in vars(args).items() if k not in ("mod", "dense")}
     settings["rates"] = [_rate_key(r) for r in args.rates]
     out = {"settings": settings, "checkpoints": [args.mod, args.dense], "results": results,

@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_the_quick_serving_benchmark_ends_with_json():
-    args = ["--quick", "--requests", "4", "--rates", "8,inf", "--output-lens", "3:5"]
+def test_the_quick_serving_benchmark_ends_with_json(tmp_path):
+    png = tmp_path / "serve.png"
+    args = ["--quick", "--requests", "4", "--rates", "8,inf", "--output-lens", "3:5",
+            "--plot", str(png)]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "serve.py"), *args],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -33,3 +35,4 @@ def test_the_quick_serving_benchmark_ends_with_json():
             assert row["completed"] == 4 and row["rejected"] == 0
             assert 4 * 3 <= row["tokens"] <= 4 * 5  # ignore_eos: each its drawn output length
     assert {"mod_over_dense", "continuous_over_static"} <= set(out["ratios"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
