@@ -171,7 +171,7 @@ def _check_what_each_run_kept(results: list[dict], by: dict[str, dict], out) -> 
 def _check_the_report(results: list[dict], out) -> None:
     report = (out / "report.md").read_text()
     assert "## Routing ablations" in report and "Winning causal router" in report
-    assert "isoFLOP grid" in report and "Not run yet" in report
+    assert "isoFLOP grid" in report and "Not run, and withdrawn" in report  # the GPU section
     assert "| budget | places | best dense | best MoD | MoD vs dense |" in report
     # the summary has a row per budget and context of the grid, the findings' numbers
     grid = [r for r in results if r["group"] in ("isoflop", "seed")]

@@ -377,7 +377,8 @@ def _context_sections(results: list[dict[str, Any]], s: Round2Settings) -> list[
 
 
 def _gpu_section(out: Path) -> list[str]:
-    """The GPU runs of `studies.gpu`, from ``<out>/gpu/results.jsonl``, or how to get them."""
+    """The round-2 GPU runs (of the script `studies.gpu` replaced), from
+    ``<out>/gpu/results.jsonl``, or why there are none."""
     gpu = out / "gpu" / "results.jsonl"
     rows = load_results(gpu) if gpu.exists() else []
     budgets = ", ".join(f"{b:.0e}" for b in sorted({r["budget"] for r in rows})) or "1e16, 3e16"
@@ -387,10 +388,11 @@ def _gpu_section(out: Path) -> list[str]:
         lines += format_findings(findings(rows))[2:]
     else:
         lines.append(
-            "Not run yet: no GPU has been lent to this project. "
-            "`python -m mixture_of_depths.studies.gpu` runs the same comparison on one GPU in "
-            "about ten minutes and writes its results to "
-            f"`{out.as_posix()}/gpu/results.jsonl`, which this report then includes."
+            "Not run, and withdrawn: at 1e16 and 3e16 FLOPs this comparison would read 75-230M "
+            "tokens of the default corpus's 9.2M (BPE), many epochs of the same text. "
+            "`python -m mixture_of_depths.studies.gpu` now reruns round 3's deciding arms on one "
+            "GPU instead, at most one epoch each, into `docs/study/round3/gpu/` (docs/bench.md, "
+            f"GPU); rows found in `{out.as_posix()}/gpu/results.jsonl` would be shown here."
         )
     return lines
 
