@@ -184,8 +184,15 @@ def _stream_routing(
     legend = " ".join(_paint(f"{c}", c, len(names)) for c in range(len(names) + 1))
     took = routing_all.float().mean(0).tolist()
     out.write(f"routed blocks taken per token (of {len(names)}): {legend}\n")
+    cfg = model.config
+    capacity = (  # a recursion step's own share of all tokens, or MoD's one capacity
+        "step capacities " + ", ".join(f"{cfg.recursion_capacities[r - 1]:.1%}"
+                                       for r in cfg.recursion_routed_steps)
+        if cfg.recursive
+        else f"capacity {cfg.capacity:.1%}"
+    )  # fmt: skip
     out.write(
         "share of tokens per routed layer: "
         + ", ".join(f"L{name} {t:.0%}" for name, t in zip(names, took, strict=True))
-        + f" (capacity {model.config.capacity:.1%})\n"
+        + f" ({capacity})\n"
     )
