@@ -122,7 +122,8 @@ def prepare(args: argparse.Namespace, work: Path, clock: Clock, stopped: Stopped
     """The corpus's size, the tokenizer and token cache made once (in a process, timed out)."""
     out = work / "corpus.json"
     cmd = child("prepare", "--result", str(out), *data_args(args))
-    status = run_all({"prepare": cmd}, work / "logs", clock.prepare, clock.grace,
+    seconds = min(clock.prepare, args.deadline - time.monotonic())
+    status = run_all({"prepare": cmd}, work / "logs", seconds, clock.grace,
                      child_env(args.dry_run, one_core=False), stopped)  # fmt: skip
     if status["prepare"] != "ok":
         raise RuntimeError(f"preparing the corpus: {status['prepare']}\n"
@@ -153,7 +154,8 @@ def timing_pass(
             "--launched", repr(launched), "--start-at", repr(launched + clock.startup),
             "--seconds", repr(clock.window), *data_args(args),
         )  # fmt: skip
-    status = run_all(cmds, work / "logs", clock.timing, clock.grace, child_env(args.dry_run),
+    seconds = min(clock.timing, args.deadline - time.monotonic())
+    status = run_all(cmds, work / "logs", seconds, clock.grace, child_env(args.dry_run),
                      stopped)  # fmt: skip
     measured: dict[str, list[dict]] = {}
     for sp in runs:
@@ -189,7 +191,7 @@ def plan_record(s: GpuSettings, c: Choice, timings: dict[str, Timing], corpus: d
         "corpus_budget": c.corpus_budget,
         "corpus": corpus,
         "timings": {tag: t.__dict__ for tag, t in timings.items()},
-        "device": parts.device_name(),
+        "device": "cpu" if s is DRY else parts.device_name(),
         "dry_run": s is DRY,
     }
 
@@ -315,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    deadline = t0 + 60 * args.minutes
+    deadline = args.deadline = t0 + 60 * args.minutes  # every part ends before it
     stopped = Stopped()
     previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
-    result: dict[str, Any] = {"gpu": torch.cuda.is_available(), "device": parts.device_name(),
+    gpu = torch.cuda.is_available() and not args.dry_run  # the dry run's parts: on the CPU
+    result: dict[str, Any] = {"gpu": gpu, "device": parts.device_name() if gpu else "cpu",
                               "dry_run": args.dry_run, "out": str(out)}  # fmt: skip
     try:
         plan = the_plan(args, s, out, work, clock, deadline, stopped)
