@@ -67,11 +67,6 @@ ROOT = Path(__file__).resolve().parents[2]
             "--warmup 1 --rounds 1".split(),
             {"median", "speedup", "applied"},
         ),
-        (
-            "gpu.py",
-            ["--preset", "tiny", "--seq-lens", "32", "--tokens", "64", "--repeats", "1"],
-            {"gpu"} if not torch.cuda.is_available() else {"train", "bars"},
-        ),
     ],
 )
 def test_benchmark_ends_with_json(script: str, args: list[str], keys: set[str]):

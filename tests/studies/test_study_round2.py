@@ -63,6 +63,10 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path):
     return str(data)
 
 
+# 26 quick runs (the longest test of the suite): round 2 is complete, and the plan-from-results
+# runner it shares with round 3 (`studies/rounds.py`) is tested in the default set by
+# test_study_round3.py; `pytest -m slow` runs this one.
+@pytest.mark.slow
 def test_round2_plans_from_its_results_fits_budgets_and_resumes(tiny, tmp_path, monkeypatch):
     out, work = tmp_path / "out", tmp_path / "work"
     real = rounds.run_one
