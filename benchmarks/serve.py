@@ -38,9 +38,9 @@ import torch
 
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.bench.common import cpu_snapshot, fmt_bytes, others_busy
-from mixture_of_depths.data import ByteTokenizer, load_tokenizer
+from mixture_of_depths.data import ByteTokenizer, load_splits, load_tokenizer
 from mixture_of_depths.routing import calibrate_predictors
-from mixture_of_depths.runtime.checkpoint import load_model
+from mixture_of_depths.runtime.checkpoint import load_model, read_json_file, resolve_checkpoint
 from mixture_of_depths.serve.engine import Engine
 from mixture_of_depths.serve.metrics import parse_prometheus
 from mixture_of_depths.serve.server import ServerThread
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request at most")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text the prompts are cut from (default: the "
+                   "MoD checkpoint run's validation split; --quick: random ids)")  # fmt: skip
     p.add_argument("--plot", default=None, metavar="PNG", help="write the throughput and "
                    "latency against the request rate there")  # fmt: skip
     return p
@@ -148,13 +150,29 @@ class Record:
     done_at: float | None = None
 
 
+def held_out_text(mod_dir: str, data: str | None) -> list[int]:
+    """The validation tokens of the MoD checkpoint's run (or of `data`): prompts cut from them
+    route as the model's text does; random ids would not (a router's take-rate on them can be
+    far from its capacity)."""
+    ckpt = resolve_checkpoint(mod_dir)
+    if data is None and (ckpt / "trainer.json").exists():
+        data = read_json_file(ckpt / "trainer.json").get("train_config", {}).get("data")
+    return load_splits(data, load_tokenizer(ckpt))[1].tolist()
+
+
 def workload(args: argparse.Namespace, rate: float, vocab: int) -> list[Arrival]:
-    """Seeded: the same arrivals, prompts and lengths for every configuration at this rate."""
+    """Seeded: the same arrivals, prompts and lengths for every configuration at this rate;
+    prompts cut from `args.text` (held-out tokens) where given, else random ids."""
     rng = random.Random(f"{args.seed}:{rate}")
     t, out = 0.0, []
+    text = args.text
     for _ in range(args.requests):
         n = rng.randint(*args.prompt_lens)
-        prompt = [rng.randrange(min(vocab, 256)) for _ in range(n)]
+        if text and len(text) > n:
+            start = rng.randrange(len(text) - n)
+            prompt = text[start : start + n]
+        else:
+            prompt = [rng.randrange(min(vocab, 256)) for _ in range(n)]
         out.append(Arrival(t, prompt, rng.randint(*args.output_lens)))
         if math.isfinite(rate):
             t += rng.expovariate(rate)
@@ -231,7 +249,9 @@ def summarise(records: list[Record], kv: list[float]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_config(name: str, model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
+def run_config(
+    name: str, model: Any, tok: Any, args: argparse.Namespace
+) -> tuple[dict[str, Any], dict[str, float]]:
     kind, batching = name.split("/")
     engine = Engine(model, tok, model_name=kind, max_rows=args.max_rows, page_size=args.page_size,
                     max_queue=100_000, prefill_chunk=args.prefill_chunk, batching=batching,
@@ -245,9 +265,12 @@ def run_config(name: str, model: Any, tok: Any, args: argparse.Namespace) -> dic
                 rows[_rate_key(rate)] = asyncio.run(run_load(server.url, arrivals, args.timeout))
                 print(f"  {name:17} rate {_rate_key(rate):>5}: {_row_text(rows[_rate_key(rate)])}",
                       file=sys.stderr, flush=True)  # fmt: skip
+        take = engine.metrics()["take_rate"]  # share of decoded tokens per router, all rates
+        shares = ", ".join(f"{k} {v:.1%}" for k, v in take.items()) or "-"
+        print(f"  {name:17} take-rates while decoding: {shares}", file=sys.stderr)
     finally:
         engine.drain(10.0)
-    return rows
+    return rows, take
 
 
 def _rate_key(rate: float) -> str:
@@ -291,7 +314,8 @@ def ratios(results: dict[str, dict[str, dict]]) -> dict[str, Any]:
 
 
 def print_report(args: argparse.Namespace, results: dict, rat: dict, busy: float | None) -> None:
-    src = "untrained small preset (--quick)" if args.quick else f"{args.mod} and {args.dense}"
+    src = ("untrained small preset (--quick), random prompts" if args.quick
+           else f"{args.mod} and {args.dense}, prompts cut from held-out text")  # fmt: skip
     (p_lo, p_hi), (o_lo, o_hi) = args.prompt_lens, args.output_lens
     print(
         f"serving under load: {src}; {args.requests} requests per rate, prompts {p_lo}-{p_hi}, "
@@ -346,21 +370,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     models = (quick_models(args.seed, args.device) if args.quick
               else checkpoint_models(args.mod, args.dense, args.device))  # fmt: skip
+    args.text = None if args.quick else held_out_text(args.mod, args.data)
     before = cpu_snapshot()
-    results = {}
+    results, takes = {}, {}
     for name in args.configs:
         model, tok = models[name.split("/")[0]]
-        results[name] = run_config(name, model, tok, args)
+        results[name], takes[name] = run_config(name, model, tok, args)
     busy = others_busy(before, cpu_snapshot())
     rat = ratios(results)
     print_report(args, results, rat, busy)
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
-    settings = {k: v for k, v in vars(args).items() if k not in ("mod", "dense")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("mod", "dense", "text")}
     settings["rates"] = [_rate_key(r) for r in args.rates]
     out = {"settings": settings, "checkpoints": [args.mod, args.dense], "results": results,
-           "ratios": rat, "targets": TARGETS, "others_busy_share": busy}  # fmt: skip
+           "ratios": rat, "take_rate": takes, "targets": TARGETS,
+           "others_busy_share": busy}  # fmt: skip
     print(json.dumps(out))
     return out
 
