@@ -56,16 +56,20 @@ ROOT = Path(__file__).resolve().parents[2]
             ],
             {"results", "ratios", "skipped_kv"},
         ),  # fmt: skip
-        (
+        # The two slowest (subprocesses of their own: torchrun, fresh interpreters) are outside
+        # the default set, for CI's time: what they run is tested in tests/runtime.
+        pytest.param(
             "distributed.py",
             ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--parallel", "fsdp"],
             {"rows", "params"},
+            marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             "malloc.py",
             "--vocab 300 --d-model 16 --n-heads 2 --seq-len 32 --batch-size 2 --steps 2 "
             "--warmup 1 --rounds 1".split(),
             {"median", "speedup", "applied"},
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -168,6 +168,9 @@ def test_mode_plan_charges_the_bound_reports_what_ran_and_judges_the_claims(
     assert claims[0]["best"] == "integrated MoDE, capacity 0.5"
 
 
+# The KV and conversion studies are complete (docs/study/kv, docs/convert); their plans' long
+# smoke tests run with `pytest -m slow`; the shared runner is tested here by the mode plan's.
+@pytest.mark.slow
 def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp_path, monkeypatch):
     """`mod study --plan kv` cut down to one budget and one strategy pair: each run trains at its
     own length and batch for the steps its FLOPs buy (residual charged its extra K/V and wider
@@ -214,6 +217,7 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(tiny, tmp
 
 
 @pytest.mark.hf
+@pytest.mark.slow
 def test_convert_plan_trains_each_variant_and_times_it_beside_dense(tiny, tmp_path, monkeypatch):
     """`mod study --plan convert` cut down: the dense model goes through the Llama layout and
     back at each capacity; the untrained conversion keeps the dense weights, router tuning

@@ -334,6 +334,7 @@ def test_predictor_gradient_does_not_rescale_the_lm_update(corpus, tmp_path):
         assert torch.equal(finals[0][n], finals[1][n]), n
 
 
+@pytest.mark.slow  # torch.compile of a training step (~25 s); compiled = eager also in tests/bench
 def test_train_compile_matches_eager(corpus: Path, tmp_path: Path):
     """`mod train --compile`: the compiled model trains to the eager run's losses."""
     cfg = MoDConfig(**TINY)
