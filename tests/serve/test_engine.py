@@ -23,6 +23,7 @@ from generate_helpers import causal_routes
 from mixture_of_depths.data.tokenizers import ByteTokenizer
 from mixture_of_depths.generate import generate, generate_reference
 from mixture_of_depths.serve.engine import Engine
+from mixture_of_depths.serve.paged import paged_prefill
 from mixture_of_depths.serve.request import TextStream
 from mixture_of_depths.serve.types import QueueFull, RequestError, SamplingParams, ShuttingDown
 
@@ -79,6 +80,36 @@ def test_greedy_completions_served_together_equal_each_prompt_alone(kind):
     if kind != "dense":  # each router's share of the decoded tokens, from the decisions
         assert set(m["take_rate"]) == set(model.route_names())
         assert all(0.0 <= r <= 1.0 for r in m["take_rate"].values())
+
+
+@pytest.mark.parametrize("kind", ["predictor", "staggered", "residual", "mor", "mor-share"])
+def test_new_rows_take_the_models_prefill_in_one_padded_forward(kind, monkeypatch):
+    """Prompts of several lengths arriving together are prefilled by one right-padded forward of
+    the model's prefill (padded to the longest); the continuation chunk of a long prompt stays
+    entries; pages and answers stay exact."""
+    import mixture_of_depths.serve.engine as engine_mod
+
+    calls = []
+
+    def spy(model, cache, rows, chunks):  # noqa: ANN001
+        calls.append([len(c) for c in chunks])
+        return paged_prefill(model, cache, rows, chunks)
+
+    monkeypatch.setattr(engine_mod, "paged_prefill", spy)
+    model = serve_model(kind)
+    lens, ns = (5, 11, 2, 8, 30), (6, 4, 7, 5, 3)
+    ps = prompts(lens, seed=3)
+    engine = _engine(model, max_rows=5, prefill_chunk=40)
+    reqs = [
+        engine.submit(p, SamplingParams(max_tokens=n, **GREEDY))
+        for p, n in zip(ps, ns, strict=True)
+    ]
+    while engine.step():
+        engine_pages_match_their_rows(engine)
+    assert calls[0] == [5, 11, 2, 8, 14]  # the 30-token prompt: its first chunk only
+    assert len(calls) == 1  # its second chunk (fed > 0) ran as entries
+    assert [r.result(0)[0] for r in reqs] == _references(model, ps, ns)
+    _all_pages_back(engine)
 
 
 def test_static_batching_gives_the_same_answers():

@@ -3,8 +3,9 @@ join the running batch at the next step and leave it the moment they finish (doc
 
 Each step (`Engine._step`) admits waiting requests whose prompts fit the KV pages, plans each
 row's tokens (scheduler.py: a decoding row feeds its last sampled token, a prefilling row a chunk
-of its prompt, all in one forward), runs the model's own forward over the paged cache (paged.py),
-where each routed layer runs only on the entries whose token takes it, samples each row that has
+of its prompt), runs the model's own forward over the paged cache (paged.py): new rows' first
+chunks as one right-padded causal prefill, the other rows' tokens as one forward of entries, where
+each routed layer runs only on the entries whose token takes it, samples each row that has
 fed all it holds with its own settings and its own `torch.Generator`, emits the events, and drops
 finished and cancelled rows, freeing their pages at once. Admission and preemption: see
 scheduler.py's docstring (admit on the prompt's pages, preempt by recompute when the pool runs
@@ -29,7 +30,7 @@ import torch
 
 from ..generate import router_names, sample_next
 from ..model import MoDTransformer
-from .paged import PagedKVCache, paged_forward
+from .paged import PagedKVCache, paged_forward, paged_prefill
 from .request import Request
 from .scheduler import Row, Scheduler
 from .types import Event, QueueFull, RequestError, SamplingParams, ShuttingDown
@@ -272,20 +273,33 @@ class Engine:
         request.finish(reason)
 
     def _step(self, plan: list[tuple[Row, int]]) -> None:
-        """One forward over the plan's entries, then sampling and events."""
-        rows, positions, tokens = [], [], []
-        for row, t in plan:
-            rows += [row.id] * t
-            positions += range(row.fed, row.fed + t)
-            tokens += row.request.tokens[row.fed : row.fed + t]
-        logits, routing = paged_forward(self.model, self.cache, rows, positions, tokens)
-        self._count_routing(plan, routing)
-        i = 0
+        """New rows' first chunks through the model's prefill (one right-padded forward), the
+        other rows' tokens as one forward of entries; then sampling and events."""
+        new = [(row, t) for row, t in plan if row.fed == 0]
+        rest = [(row, t) for row, t in plan if row.fed > 0]
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (last logits, routing)
+        if new:
+            ids = [row.id for row, _ in new]
+            chunks = [row.request.tokens[:t] for row, t in new]
+            logits, routes = paged_prefill(self.model, self.cache, ids, chunks)
+            for i, (row, _) in enumerate(new):
+                out[row.id] = logits[i : i + 1], routes[i]
+        if rest:
+            rows, positions, tokens = [], [], []
+            for row, t in rest:
+                rows += [row.id] * t
+                positions += range(row.fed, row.fed + t)
+                tokens += row.request.tokens[row.fed : row.fed + t]
+            logits, routing = paged_forward(self.model, self.cache, rows, positions, tokens)
+            i = 0
+            for row, t in rest:
+                out[row.id] = logits[i + t - 1 : i + t], routing[i : i + t]
+                i += t
+        self._count_routing(plan, torch.cat([out[row.id][1] for row, _ in plan]))
         for row, t in plan:
             row.fed += t
-            i += t
             if row.left == 0:
-                self._sample(row, logits[i - 1 : i])
+                self._sample(row, out[row.id][0])
 
     def _count_routing(self, plan: list[tuple[Row, int]], routing: torch.Tensor) -> None:
         """Take-rates over generated tokens fed back, each counted once (not again when a

@@ -20,6 +20,10 @@ rows' decode steps are one batched forward. Causal routing decides per token fro
 stream, so this is the causal prefill: the decisions and values decoding would make
 (docs/semantics.md).
 
+Rows that have fed nothing yet skip the entries: `prefill(rows)` is a view (`PagedPrefill`) for the
+model's own prefill of their prompts, right-padded into one forward (`paged_prefill`), whose
+writes put each layer's takers straight onto the rows' pages, as `KVCache.write_prefill` does.
+
 Names with shape suffixes: N entries of a step, R distinct rows among them, P pages, S slots.
 """
 
@@ -33,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..config import MoDConfig
+from ..generate import routing_table
 from ..layers import rope_tables
 from ..model import MoDTransformer
 from ..precision import at_least_float32
@@ -173,6 +178,10 @@ class PagedKVCache:
         entries are consecutive, in position order, starting at the tokens it has processed."""
         return PagedView(_Step(self, list(rows), torch.tensor(list(positions), dtype=torch.long)))
 
+    def prefill(self, rows: Sequence[int]) -> PagedPrefill:
+        """The view of one prefill forward of the empty `rows`' right-padded prompts."""
+        return PagedPrefill(self, list(rows))
+
     def _append(self, layer: int, rows: list[int]) -> list[tuple[int, int, int]]:
         """One slot per entry row, in order (a fresh page where a slot starts one): the
         (page, offset, slot) of each."""
@@ -300,6 +309,84 @@ class PagedView:
         sel = take_BT.view(-1).cpu().nonzero().view(-1)
         if len(sel):
             self.subset(sel).append(layer, k[sel.to(k.device)], v[sel.to(k.device)])
+
+
+class PagedPrefill:
+    """Empty rows run as the model's prefill (one right-padded forward, position 0 on): each
+    layer's write stores, per row, the prompt tokens that take it, in order, on fresh pages."""
+
+    def __init__(self, cache: PagedKVCache, rows: list[int]) -> None:
+        if any(any(cache.lengths[row]) for row in rows):
+            raise ValueError("a paged prefill is for empty rows")
+        self.cache, self.rows = cache, rows
+        self.max_len, self.device, self.dtype = cache.max_len, cache.device, cache.dtype
+
+    def positions(self) -> Tensor:
+        return torch.zeros(len(self.rows), dtype=torch.long)
+
+    def rope(self) -> tuple[Tensor, Tensor]:
+        return self.cache.cos, self.cache.sin
+
+    def advance(self, counts: Tensor | int) -> None:
+        """Nothing: the engine moves each row's position after the step."""
+
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
+        """`k`, `v`: (B, n_kv_heads, T, head_dim) of the padded prompts; store each row's tokens
+        with `take_BT` set (all T when None) in the row's empty `layer`."""
+        B, _, T, _ = k.shape
+        cache, ps = self.cache, self.cache.page_size
+        pool = cache.pools[layer]
+        counts = [T] * B if take_BT is None else take_BT.sum(1).cpu().tolist()
+        page_ids, offs = [], []
+        for row, n in zip(self.rows, counts, strict=True):
+            pages = cache.tables[row][layer]
+            pages += [pool.allocate() for _ in range(-(-n // ps))]
+            cache.lengths[row][layer] = n
+            page_ids += [pages[j // ps] for j in range(n)]
+            offs += [j % ps for j in range(n)]
+        if not page_ids:
+            return
+        k_NHD, v_NHD = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D)
+        if take_BT is None:
+            k_NHD, v_NHD = k_NHD.flatten(0, 1), v_NHD.flatten(0, 1)
+        else:  # a boolean (B, T) index keeps row-major order: each row's takers in order
+            take = take_BT.to(k.device)
+            k_NHD, v_NHD = k_NHD[take], v_NHD[take]
+        pages_t = torch.tensor(page_ids, device=cache.device)
+        offs_t = torch.tensor(offs, device=cache.device)
+        pool.k[pages_t, offs_t] = k_NHD.to(cache.dtype)
+        pool.v[pages_t, offs_t] = v_NHD.to(cache.dtype)
+
+    def _refuse(self, *args: object) -> None:
+        raise RuntimeError("a paged prefill only writes its prompts (no decode-step calls)")
+
+    append_and_read = append = read = subset = _refuse
+
+
+@torch.no_grad()
+def paged_prefill(
+    model: MoDTransformer,
+    cache: PagedKVCache,
+    rows: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+) -> tuple[Tensor, list[Tensor]]:
+    """The model's own causal prefill of empty rows' prompts, right-padded into one forward
+    (`cache.prefill`): logits at each row's last token (R, vocab) and, per row, the routing
+    decisions of its tokens (T_r, n_routers) on the host."""
+    lens = [len(p) for p in prompts]
+    idx = torch.zeros(len(rows), max(lens), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        idx[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+    view = cache.prefill(rows)
+    out = model(
+        idx.to(cache.device),
+        routing="causal",
+        cache=view,
+        lengths=torch.tensor(lens),
+        last_only=True,
+    )
+    table = routing_table(out.routes, len(rows), idx.shape[1])
+    return out.logits[:, 0], [table[i, :n] for i, n in enumerate(lens)]
 
 
 @torch.no_grad()
