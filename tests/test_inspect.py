@@ -406,3 +406,17 @@ def test_a_baseline_that_cannot_score_the_tokens_is_refused_by_name(tmp_path, ca
     assert f"--baseline {short} has max_seq_len 16, shorter than the 42 tokens per row" in err
     assert "a shorter --text" in err
     assert not out.exists()
+
+
+def test_nested_recursion_steps_are_not_tested_against_independent_coins():
+    """MoR's steps are nested by construction (a token continues only if it took the step
+    before), so the independence test would reject by design: it is left out for a recursive
+    model, and still run for a MoD one."""
+    mor = make_model(tiny_config(layer_pattern="D", recursions=3, recursion_capacities=(0.5, 0.3),
+                                 causal_router="predictor"), dtype=torch.float32)  # fmt: skip
+    tokens = torch.randint(
+        0, mor.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)
+    )
+    assert analyse(mor, tokens, bootstrap=20).independence == {}
+    mod = make_model(tiny_config(), dtype=torch.float32)
+    assert "p_value" in analyse(mod, tokens, bootstrap=20).independence

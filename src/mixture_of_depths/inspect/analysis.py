@@ -146,7 +146,8 @@ def analyse(
             d[has_next], loss[has_next].double(), bootstrap, seed, groups=rows[has_next]
         ),
     }
-    report.independence = independence_test(taken, bootstrap, seed)
+    if not model.config.recursive:  # recursion steps are nested by construction: no coins to test
+        report.independence = independence_test(taken, bootstrap, seed)
     if base_loss is not None:
         # Does the router give compute to the tokens a dense model finds hard?
         report.correlations["depth_vs_baseline_loss"] = bootstrap_spearman(
