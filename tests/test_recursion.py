@@ -11,6 +11,9 @@ import dataclasses
 import pytest
 import torch
 from helpers import V, make_model, random_tokens
+from recursion_helpers import CASES as BASE_CASES
+from recursion_helpers import IDS as BASE_IDS
+from recursion_helpers import mor_config
 from reference import reference_recursion
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -23,23 +26,11 @@ from mixture_of_depths.generate import prefill
 TOL = dict(rtol=0.0, atol=1e-10)
 
 
-def mor_config(**overrides) -> MoDConfig:
-    base = dict(
-        vocab_size=V, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64,
-        layer_pattern="D", recursions=3, recursion_capacities=(0.5, 0.3), predictor_hidden=16,
-    )  # fmt: skip
-    return MoDConfig(**{**base, **overrides})
-
-
 CASES = [
-    dict(),
-    dict(recursion_kv="share"),
-    dict(causal_router="aux_loss", recursion_sharing="cycle", n_layers=2),
-    dict(recursion_router="token", recursion_capacities=None),
-    dict(recursion_router="token", recursion_capacities=None, recursion_kv="share"),
+    *BASE_CASES,
     dict(recursions=4, recursion_capacities=(1.0, 0.5, 0.25), recursion_kv="share"),
 ]
-IDS = ["expert", "expert-share", "cycle-aux", "token", "token-share", "unrouted-step-share"]
+IDS = [*BASE_IDS, "unrouted-step-share"]
 
 
 @pytest.mark.parametrize("over", CASES, ids=IDS)

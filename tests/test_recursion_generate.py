@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from generate_helpers import TOL64, assert_same_generation, make_prompts
-from helpers import TINY, V, losses, make_model, random_tokens, tc
+from helpers import TINY, losses, make_model, random_tokens, tc
+from recursion_helpers import CASES, IDS, mor_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -23,24 +24,6 @@ from mixture_of_depths.runtime.checkpoint import load_model
 from mixture_of_depths.train import train
 
 N_NEW = 10
-
-
-def mor_config(**overrides) -> MoDConfig:
-    base = dict(
-        vocab_size=V, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64,
-        layer_pattern="D", recursions=3, recursion_capacities=(0.5, 0.3), predictor_hidden=16,
-    )  # fmt: skip
-    return MoDConfig(**{**base, **overrides})
-
-
-CASES = [
-    dict(),
-    dict(recursion_kv="share"),
-    dict(causal_router="aux_loss", recursion_sharing="cycle", n_layers=2),
-    dict(recursion_router="token", recursion_capacities=None),
-    dict(recursion_router="token", recursion_capacities=None, recursion_kv="share"),
-]
-IDS = ["expert", "expert-share", "cycle-aux", "token", "token-share"]
 
 
 @pytest.mark.parametrize("over", CASES, ids=IDS)
