@@ -537,3 +537,22 @@ def test_position_table_compares_the_best_sizes_over_their_profiled_seeds():
         "| 1.0e+09 | 2-7 | dense S (1): 2.000 | MoD S (2): 2.500 | +25.0% |",
     ]
     assert rpt.position_table([r for r in rows if r["label"] != "dense S"][:1]) == []
+
+
+def test_a_claim_survives_the_claims_folder_vanishing_under_it(tmp_path, monkeypatch):
+    """A worker that finishes removes the empty claims folder; another taking a lock at that
+    moment sees mkdir fail with "exists" then find nothing, or the folder gone before its open:
+    both are retried, not a crash (a worker of `mod study --workers` died of the first)."""
+    from mixture_of_depths.runtime.runlock import RunLock
+
+    real, fails = RunLock.acquire, [FileExistsError(17, "exists"), FileNotFoundError(2, "gone")]
+
+    def flaky(self):
+        if fails:
+            raise fails.pop(0)
+        return real(self)
+
+    monkeypatch.setattr(RunLock, "acquire", flaky)
+    lock = rounds.claim(tmp_path / ".claims", "results")
+    assert lock is not None and not fails and (tmp_path / ".claims" / "results.lock").exists()
+    lock.release()

@@ -187,6 +187,8 @@ def claim(folder: Path, name: str) -> RunLock | None:
             return None
         except FileNotFoundError:  # a finishing worker removed the empty folder under us
             continue
+        except FileExistsError:  # ... between mkdir's "it exists" and its check that it does
+            continue
 
 
 @contextlib.contextmanager
