@@ -24,7 +24,12 @@ def test_round3_plans_each_arm_seed_by_seed_and_more_seeds_where_the_gap_closes(
     arms = [a for a in planning.ARMS if planning.supported(a)]
     deciding = [a for a in arms if a.deciding]
     assert len(specs) == 2 * len(arms) + len(deciding)
-    assert [sp.seed for sp in specs] == sorted(sp.seed for sp in specs)  # seed by seed
+    # the deciding arms seed by seed, then the others seed by seed
+    n = 3 * len(deciding)
+    assert {planning.arm_of(_row(sp, 0.0)).deciding for sp in specs[:n]} == {True}
+    assert not any(planning.arm_of(_row(sp, 0.0)).deciding for sp in specs[n:])
+    for part in (specs[:n], specs[n:]):
+        assert [sp.seed for sp in part] == sorted(sp.seed for sp in part)
     assert specs[0].label == "dense XS" and specs[1].label.startswith("MoD S (round 2")
     for sp in specs:
         arm = planning.arm_of(_row(sp, 0.0))

@@ -156,17 +156,19 @@ def closes_the_gap(s: Round3Settings, results: list[dict[str, Any]], arm: Arm) -
 
 
 def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
-    """Every run the results so far call for, in the order to run them: seed by seed, the
-    deciding arms first; the third seed of every deciding arm and of any arm that closes the
-    gap to dense. Arms the library cannot build yet are left out until it can."""
+    """Every run the results so far call for, in the order to run them: the deciding arms (and
+    any arm that closes the gap to dense) seed by seed, then the other arms seed by seed, so
+    that what decides the conclusion has its seeds first; the third seed of every deciding arm
+    and of any arm that closes the gap. Arms the library cannot build yet are left out until
+    it can."""
     arms = [a for a in ARMS if supported(a)]
-    specs = []
+    first, then = [], []
     for seed in sorted({*s.seeds, *s.deciding_seeds}):
-        for arm in sorted(arms, key=lambda a: not a.deciding):
+        for arm in arms:
             more = arm.deciding or closes_the_gap(s, results, arm)
             if seed in s.seeds or (more and seed in s.deciding_seeds):
-                specs.append(spec_of(s, arm, seed))
-    return specs
+                (first if more else then).append(spec_of(s, arm, seed))
+    return first + then
 
 
 def arm_of(row: dict[str, Any]) -> Arm | None:
