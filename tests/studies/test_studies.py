@@ -61,6 +61,9 @@ def test_study_runs_to_budget_resumes_and_reports(tiny, tmp_path, monkeypatch):
         assert r["flops_budget_used"] <= r["budget"] or r["steps"] == 1
     seeds = [r for r in results if r["group"] == "seed"]
     assert len(seeds) == 4 and all(r["seed"] == 1 for r in seeds)
+    # a budget's second seeds train before the next budget's runs: each budget completes in turn
+    budgets = [r["budget"] for r in results]
+    assert budgets == sorted(budgets), budgets
     report = (out / "report.md").read_text()
     assert "## Headline" in report and "Ablations" in report
     assert (out / "isoflop.png").exists() and (out / "ablations.png").exists()

@@ -344,7 +344,8 @@ def study(
             grid = [s for s in specs if s.group == "isoflop" and s.budget == budget]
             if budget not in seeded and all(s.name in done for s in grid):
                 seeded.add(budget)
-                pending.extend(plan.seeds(results, budget, settings))
+                # next, before the larger budgets: a budget is complete, seeds and all, early
+                pending[:0] = plan.seeds(results, budget, settings)
     bar.close()
     if plan.finish is not None:
         plan.finish(results, out, work, data)
