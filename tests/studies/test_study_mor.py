@@ -1,5 +1,6 @@
 """`mod study --plan mor --quick` on a cut-down plan: every run trains to its budget (charged by
-`estimate_flops`, MoR priced per recursion step), each arm's best width gets a second seed, and
+`estimate_flops`, MoR priced per recursion step), each arm's best width gets a second seed, the
+pairs apart from the grid train with two seeds, every cell's models are timed side by side, and
 the report judges the paper's claims from the results (and says "not run yet" without them)."""
 
 from __future__ import annotations
@@ -11,7 +12,35 @@ import pytest
 
 from mixture_of_depths import MoDConfig
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.studies import mor, runner
+from mixture_of_depths.studies import measure, mor, runner
+
+
+def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid():
+    specs = mor.plan(mor.FULL)
+    budgets = [sp.budget for sp in specs if sp.group == "isoflop"]
+    assert budgets == sorted(budgets)
+    first_large = next(
+        i for i, sp in enumerate(specs) if sp.group == "isoflop" and sp.budget == 5e13
+    )
+    pairs = [i for i, sp in enumerate(specs) if sp.group in ("sharing", "params")]
+    assert pairs and max(pairs) < first_large
+    sizes = {sp.budget: set() for sp in specs}
+    for sp in specs:
+        if sp.group == "isoflop":
+            sizes[sp.budget].add(mor.size_of(sp.__dict__))
+    assert sizes == {1.5e13: {"XS", "S", "M"}, 5e13: {"S", "M"}}
+    for sp in specs:  # cycle sharing: the middle-cycle grid arm of its width, cycled
+        if sp.group == "sharing":
+            ref = next(
+                g for g in specs
+                if g.label == "MoR expert, recursion KV" and g.budget == sp.budget
+                and g.seq_len == sp.seq_len and mor.size_of(g.__dict__) == mor.size_of(sp.__dict__)
+            )  # fmt: skip
+            diff = {k for k in {*sp.model, *ref.model} if sp.model.get(k) != ref.model.get(k)}
+            assert diff == {"recursion_sharing"} and sp.model["recursion_sharing"] == "cycle"
+    names = [sp.name for sp in specs]
+    assert len(names) == len(set(names))
+    assert sum(n.endswith("-s1") for n in names) == len(mor.SHARING) * 2 + len(mor.PARAMS)
 
 
 def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
@@ -21,10 +50,13 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     keep = {"dense", "MoR expert, recursion KV", "MoR token, shared KV"}
     monkeypatch.setattr(mor, "ARMS", tuple(a for a in mor.ARMS if a[0] in keep))
     monkeypatch.setattr(mor, "_lengths", lambda settings: ((32, 4),))
+    monkeypatch.setattr(measure, "DECODE_ROUNDS", 2)
+    monkeypatch.setattr(measure, "DECODE_NEW", 4)
     out, work = tmp_path / "mor", tmp_path / "work"
     results = runner.study(mor.PLAN, out, work, quick=True, data=str(corpus), progress=False)
     grid = [r for r in results if r["group"] == "isoflop"]
-    assert len(grid) == 3 and len(results) == 3 + 4 + 3  # grid, the pair (two seeds), seeds
+    # the grid, the two pairs (two seeds each), the grid's second seeds
+    assert len(grid) == 3 and len(results) == 3 + 2 + 4 + 3
     for r in results:
         cfg = MoDConfig(**r["model"])
         step = estimate_flops(cfg, r["seq_len"], r["batch_size"]).train
@@ -32,11 +64,22 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     rec = next(r for r in grid if r["label"] == "MoR expert, recursion KV")
     assert set(rec["routing_accuracy"]) == {"1.recursion", "2.recursion"}
     text = (out / "report.md").read_text()
-    assert "MoR (expert choice) reaches a lower loss" in text
-    rows = dict((c, v) for c, _, v in mor.claim_rows(results))
+    assert "MoR (expert choice) reaches a lower loss" in text and (out / "mor.png").exists()
+    # every arm's model of the cell was timed, side by side, once
+    timed = mor.decode_rows(out)
+    assert set(timed) == {x["name"] for x in mor.cells(results).values()}
+    assert all(t["decode_tok_s_b1"] > 0 and t["decode_tok_s_b8"] > 0 for t in timed.values())
+    rows = dict((c, v) for c, _, v in mor.claim_rows(results, timed))
     first = rows[mor.CLAIMS[0][0]]
     assert first.split(" ")[0] in ("supported", "contradicted", "within"), first
     assert rows[mor.CLAIMS[1][0]] == "not run yet"  # no plain recursive arm ran
-    assert rows[mor.CLAIMS[-1][0]].startswith("not testable here")
+    sharing = rows[next(c[0] for c in mor.CLAIMS if c[2].endswith("cycle sharing"))]
+    assert sharing.split(" ")[0] in ("supported", "contradicted", "within"), sharing
+    speed = rows[mor.CLAIMS[-1][0]]
+    assert speed.split(" ")[0].rstrip(":") in ("supported", "contradicted", "within"), speed
+    assert "x at batch 8" in speed
+    before = (out / "decode.jsonl").read_text()
+    mor.measure(results, out, work, str(corpus))  # nothing new to time: nothing timed again
+    assert (out / "decode.jsonl").read_text() == before
     mor.write_report([], tmp_path / "empty", mor.QUICK)
     assert "Not run yet." in (tmp_path / "empty" / "report.md").read_text()

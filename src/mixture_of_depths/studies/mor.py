@@ -1,20 +1,23 @@
 """`mod study --plan mor`: Mixture-of-Recursions (arXiv:2507.10524) beside dense and MoD, by the
 same code, at equal training FLOPs; and MoR's headline at equal unique parameters.
 
-Arms, each at two widths, on BPE text at 256 and 1024 tokens of context (the same tokens a step),
-to two training-FLOP budgets: dense (6 layers); MoD (6 layers, every other block routed at
-12.5%); the plain recursive model (4 unique layers, the middle two applied 3 times, every token
-every step: no router); MoR with expert choice (steps at 25% and 12.5%) and token choice, each
-with recursion-wise KV caching and with recursive KV sharing. A second seed trains at each
-arm's best width per budget and length. Apart from the grid ("params"): the vanilla 6-layer
-model against a recursive one with a third of its unique layers (2 layers, all shared, applied
-3 times, expert choice), at the larger budget.
+Arms on BPE text at 256 and 1024 tokens of context (the same tokens a step), to two
+training-FLOP budgets, at widths XS, S and M at the smaller budget and S and M at the larger:
+dense (6 layers); MoD (6 layers, every other block routed at 12.5%); the plain recursive model
+(4 unique layers, the middle two applied 3 times, every token every step: no router); MoR with
+expert choice (steps at 25% and 12.5%) and token choice, each with recursion-wise KV caching
+and with recursive KV sharing. A second seed trains at each arm's best width per budget and
+length. Apart from the grid, two pairs with two seeds each:
+"sharing", MoR expert choice with all 4 unique layers cycled against middle-cycle, at width S
+and the smaller budget; "params", the vanilla 6-layer model against a recursive one with a third of
+its unique layers (2 layers, all shared, applied 3 times, expert choice), at the larger budget.
 
 Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, as every study).
 The report puts loss, unique parameters, FLOPs per token, KV bytes per token (`estimate_flops`
-at each step's capacity) beside the paper's claims, each marked supported, contradicted, within
-the seed spread, or not testable here; with no results it says "not run yet". Decode speed is
-not measured by this plan (the machine must be otherwise idle to time it; see docs/mor.md).
+at each step's capacity) and decode speed beside the paper's claims, each marked supported,
+contradicted, within the seed spread, or not testable here; with no results it says "not run
+yet". Decode speed is measured once every run has trained (`measure`: the kept checkpoints,
+side by side, on an otherwise idle machine), or by calling `measure` at a quiet moment.
 """
 
 from __future__ import annotations
@@ -25,7 +28,20 @@ from typing import Any
 from ..config import MoDConfig
 from ..fileio import atomic_write_text, json_text
 from ..flops import estimate_flops
-from .runner import Folders, Plan, RunSpec, StudySettings, budget_tag, mean_seeds, second_seed
+from ..runtime.checkpoint import resolve_checkpoint
+from ..train import CHECKPOINT_NAME, has_checkpoint
+from .measure import decode_speeds
+from .plots import pyplot
+from .runner import (
+    Folders,
+    Plan,
+    RunSpec,
+    StudySettings,
+    budget_tag,
+    load_results,
+    mean_seeds,
+    second_seed,
+)
 
 RECURSIVE = dict(layer_pattern="D", n_layers=4, recursions=3)
 MOR = dict(RECURSIVE, recursion_capacities=(0.25, 0.125))
@@ -38,6 +54,11 @@ ARMS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDCo
     ("MoR expert, shared KV", "mor-es", dict(MOR, recursion_kv="share")),
     ("MoR token, recursion KV", "mor-tr", TOKEN),
     ("MoR token, shared KV", "mor-ts", dict(TOKEN, recursion_kv="share")),
+)
+# Sharing: MoR expert choice with recursion KV as in ARMS, all 4 unique layers cycled instead of
+# middle-cycle (the same unique parameters and step capacities), at the first width and budget
+SHARING: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("MoR expert, recursion KV, cycle sharing", "mor-ec", dict(MOR, recursion_sharing="cycle")),
 )
 # Equal unique parameters: the vanilla model, and a third of its unique layers recursed
 PARAMS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -54,11 +75,17 @@ PARAMS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         ),
     ),  # fmt: skip
 )
+SHARING_SIZE, PARAMS_SIZE = "S", "M"  # the pairs' widths (a quick run: its one width)
 LENGTHS = ((256, 16), (1024, 4))  # (sequence length, batch size): 4096 tokens a step
 
 FULL = StudySettings(
     budgets=(1.5e13, 5e13),
-    sizes=(("S", dict(d_model=96, n_heads=4)), ("M", dict(d_model=128, n_heads=4))),
+    sizes=(
+        ("XS", dict(d_model=64, n_heads=4)),
+        ("S", dict(d_model=96, n_heads=4)),
+        ("M", dict(d_model=128, n_heads=4)),
+    ),
+    skip=((5e13, ("XS",)),),  # S beat M at 1.5e13: XS brackets the small budget only
     seq_len=256,
     batch_size=16,
     eval_every_runs=2,
@@ -85,30 +112,56 @@ def _lengths(settings: StudySettings) -> tuple[tuple[int, int], ...]:
     return LENGTHS
 
 
-def plan(settings: StudySettings) -> list[RunSpec]:
-    """Every arm at every width, length and budget; the equal-parameter pair at the largest."""
-    runs = [
-        RunSpec(
-            name=f"{budget_tag(b)}-{tag}-{size}-T{T}-s0",
-            group="isoflop",
-            label=label,
-            budget=b,
-            model={**settings.base, **shape, **over},
-            seq_len=T,
-            batch_size=bs,
-        )
-        for b in settings.budgets
-        for T, bs in _lengths(settings)
-        for label, tag, over in ARMS
-        for size, shape in settings.sizes
-    ]
-    b, (T, bs) = max(settings.budgets), _lengths(settings)[0]
-    size, shape = settings.sizes[-1]
-    for label, tag, over in PARAMS:
-        spec = RunSpec(f"{budget_tag(b)}-{tag}-{size}-T{T}-s0", "params", label, b,
-                       {**settings.base, **shape, **over}, seq_len=T, batch_size=bs)  # fmt: skip
-        runs += [spec, second_seed(spec.__dict__)]
+def _pairs(
+    arms: tuple[tuple[str, str, dict[str, Any]], ...],
+    group: str,
+    settings: StudySettings,
+    b: float,
+    lengths: tuple[tuple[int, int], ...],
+    size: str,
+    sizes: dict[str, dict[str, Any]],
+) -> list[RunSpec]:
+    """Each arm at budget `b`, width `size`, each length, seeds 0 and 1 (a group apart from the
+    grid, judged on its own)."""
+    runs = []
+    for T, bs in lengths:
+        for label, tag, over in arms:
+            model = {**settings.base, **sizes[size], **over}
+            name = f"{budget_tag(b)}-{tag}-{size}-T{T}-s0"
+            spec = RunSpec(name, group, label, b, model, seq_len=T, batch_size=bs)
+            runs += [spec, second_seed(spec.__dict__)]
     return runs
+
+
+def plan(settings: StudySettings) -> list[RunSpec]:
+    """Every arm at every width, length and budget, the smallest budget first (its second seeds
+    join when its grid is done, `runner.study`); then the sharing pair (first width, smallest
+    budget) and the equal-parameter pair (last width, largest budget, first length) before the
+    larger budgets' grids, so that each claim has its runs early."""
+    grids = [
+        [
+            RunSpec(
+                name=f"{budget_tag(b)}-{tag}-{size}-T{T}-s0",
+                group="isoflop",
+                label=label,
+                budget=b,
+                model={**settings.base, **shape, **over},
+                seq_len=T,
+                batch_size=bs,
+            )
+            for T, bs in _lengths(settings)
+            for label, tag, over in ARMS
+            for size, shape in settings.sizes_at(b)
+        ]
+        for b in sorted(settings.budgets)
+    ]
+    lengths = _lengths(settings)
+    first, last = min(settings.budgets), max(settings.budgets)
+    sizes = dict(settings.sizes)
+    pick = lambda size: size if size in sizes else settings.sizes[0][0]  # noqa: E731
+    extra = _pairs(SHARING, "sharing", settings, first, lengths, pick(SHARING_SIZE), sizes)
+    extra += _pairs(PARAMS, "params", settings, last, lengths[:1], pick(PARAMS_SIZE), sizes)
+    return grids[0] + extra + [spec for grid in grids[1:] for spec in grid]
 
 
 def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
@@ -123,14 +176,22 @@ def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
 
 
 # -- what the results say -------------------------------------------------------------------------
-def cells(results: list[dict[str, Any]]) -> dict[tuple[float, int, str], dict[str, Any]]:
-    """Per (budget, length, label): the best width's loss (mean over its seeds), its seed gap,
-    unique parameters, FLOPs and KV bytes per token."""
+def size_of(row: dict[str, Any]) -> str:
+    """The width label of a run, from its name (``<budget>-<tag>-<size>-T<len>-s<seed>``)."""
+    return row["name"].split("-T")[0].rsplit("-", 1)[-1]
+
+
+def cells(
+    results: list[dict[str, Any]], size: str | None = None, decode: dict[str, dict] | None = None
+) -> dict[tuple[float, int, str], dict[str, Any]]:
+    """Per (budget, length, label): the best width's loss (mean over its seeds; only width
+    `size` if given), its seed gap, unique parameters, FLOPs and KV bytes per token, the seed-0
+    run's name, and its decode speeds where `decode` (by run name) has them."""
     out: dict[tuple[float, int, str], dict[str, Any]] = {}
     groups: dict[tuple[float, int, str, str], list[dict[str, Any]]] = {}
     for r in results:
-        size = r["name"].split("-T")[0].rsplit("-", 1)[-1]
-        groups.setdefault((r["budget"], r["seq_len"], r["label"], size), []).append(r)
+        if size is None or size_of(r) == size:
+            groups.setdefault((r["budget"], r["seq_len"], r["label"], size_of(r)), []).append(r)
     for (b, T, label, _), rows in groups.items():
         loss = mean_seeds(rows, "val_loss_causal")[label]
         by_seed = {r["seed"]: r["val_loss_causal"] for r in rows}
@@ -139,6 +200,7 @@ def cells(results: list[dict[str, Any]]) -> dict[tuple[float, int, str], dict[st
             continue
         cfg = MoDConfig(**rows[0]["model"])
         est = estimate_flops(cfg, T, with_dense=False)
+        name = min(rows, key=lambda r: r["seed"])["name"]
         out[(b, T, label)] = {
             "loss": loss,
             "gap": abs(by_seed[0] - by_seed[1]) if {0, 1} <= set(by_seed) else None,
@@ -146,6 +208,8 @@ def cells(results: list[dict[str, Any]]) -> dict[tuple[float, int, str], dict[st
             "flops_per_token": est.train / T,
             "kv_bytes_per_token": est.kv_bytes_per_token,
             "seeds": len(rows),
+            "name": name,
+            **(decode or {}).get(name, {}),
         }
     return out
 
@@ -163,79 +227,198 @@ def _verdict(c: dict, better: str, worse: str, b: float, T: int) -> str:
     return f"{word} ({x['loss']:.4f} against {y['loss']:.4f})"
 
 
-# (claim, the side the paper says is better, the other side); None: not testable here, and why
-CLAIMS: tuple[tuple[str, str | None, str], ...] = (
+def _speed_verdict(c: dict, b: float, T: int) -> str:
+    """MoR's decode speed over dense's, at batch 1 and 8, against both models' spreads."""
+    x, y = c.get((b, T, SPEED[0])), c.get((b, T, SPEED[1]))
+    if x is None or y is None or "decode_tok_s_b8" not in x or "decode_tok_s_b8" not in y:
+        return "not measured yet"
+    ratios, words = [], []
+    for batch in (1, 8):
+        ratio = x[f"decode_tok_s_b{batch}"] / y[f"decode_tok_s_b{batch}"]
+        noise = x[f"decode_spread_b{batch}"] + y[f"decode_spread_b{batch}"]
+        ratios.append(f"{ratio:.2f}x at batch {batch}")
+        words.append("within" if abs(ratio - 1) <= noise else "faster" if ratio > 1 else "slower")
+    word = {"faster": "supported", "slower": "contradicted"}.get(words[1], "within the spread")
+    return f"{word}: {', '.join(ratios)} (CPU, one thread; paper: GPU, large batches)"
+
+
+# The claims with a speed verdict: MoR (expert, recursion KV) against dense
+SPEED = ("MoR expert, recursion KV", "dense")
+# (claim, the side the paper says is better, the other side, the width compared or None for
+# each side's best); better None: not testable here, and why
+CLAIMS: tuple[tuple[str, str | None, str, str | None], ...] = (
     ("MoR (expert choice) reaches a lower loss than the vanilla Transformer at equal training "
-     "FLOPs, with fewer unique parameters", "MoR expert, recursion KV", "dense"),
+     "FLOPs, with fewer unique parameters", "MoR expert, recursion KV", "dense", None),
     ("MoR beats the plain recursive model (every token every recursion) at equal FLOPs",
-     "MoR expert, recursion KV", "recursive"),
-    ("Expert-choice routing beats token-choice routing", "MoR expert, recursion KV",
-     "MoR token, recursion KV"),
+     "MoR expert, recursion KV", "recursive", None),
+    ("Expert-choice routing beats token-choice routing (here token choice computes every token "
+     "at every step, masked, and is charged so: docs/mor.md)", "MoR expert, recursion KV",
+     "MoR token, recursion KV", None),
     ("Recursion-wise KV caching beats recursive KV sharing with expert choice",
-     "MoR expert, recursion KV", "MoR expert, shared KV"),
-    ("Recursive KV sharing helps token choice", "MoR token, shared KV", "MoR token, recursion KV"),
+     "MoR expert, recursion KV", "MoR expert, shared KV", None),
+    ("Recursive KV sharing helps token choice", "MoR token, shared KV", "MoR token, recursion KV",
+     None),
     ("With a third of the unique parameters, MoR matches or beats the vanilla model",
-     "MoR, 2 unique layers x 3", "vanilla, 6 layers"),
-    ("Middle-cycle sharing is the best sharing strategy", None,
-     "this plan trains middle-cycle only in the grid"),
-    ("MoR decodes with up to 2.06x the vanilla model's throughput", None,
-     "decode speed needs an idle machine and a batched engine; not timed by this plan"),
+     "MoR, 2 unique layers x 3", "vanilla, 6 layers", None),
+    ("Middle-cycle sharing beats cycle sharing (same unique layers and capacities, width S)",
+     "MoR expert, recursion KV", "MoR expert, recursion KV, cycle sharing", "S"),
+    ("MoR decodes faster than the vanilla model (paper: up to 2.06x throughput)", "speed",
+     "dense", None),
 )  # fmt: skip
 
 
-def claim_rows(results: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+def claim_rows(
+    results: list[dict[str, Any]], decode: dict[str, dict] | None = None
+) -> list[tuple[str, str, str]]:
     """(claim, where, verdict) per claim and each (budget, length) where either side ran."""
-    c = cells(results)
     rows = []
-    for text, better, worse in CLAIMS:
+    for text, better, worse, size in CLAIMS:
+        c = cells(results, size, decode)
         if better is None:
             rows.append((text, "-", f"not testable here: {worse}"))
             continue
-        where = sorted({(b, T) for b, T, label in c if label in (better, worse)})
-        rows += [
-            (text, f"{b:.1e} FLOPs, T={T}", _verdict(c, better, worse, b, T)) for b, T in where
-        ]
+        sides = SPEED if better == "speed" else (better, worse)
+        where = sorted({(b, T) for b, T, label in c if label in sides})
+        if size is not None:  # only where the side tried at this width alone ran
+            where = [(b, T) for b, T in where if (b, T, worse) in c]
+        for b, T in where:
+            verdict = _speed_verdict(c, b, T) if better == "speed" else _verdict(c, *sides, b, T)
+            rows.append((text, f"{b:.1e} FLOPs, T={T}", verdict))
         if not where:
             rows.append((text, "-", "not run yet"))
     return rows
 
 
+def decode_rows(out: Path) -> dict[str, dict[str, Any]]:
+    """The decode speeds measured so far (``decode.jsonl``), by run name; the later wins."""
+    return {m["name"]: m for m in load_results(out / "decode.jsonl")}
+
+
+def _arm_lines(
+    results: list[dict[str, Any]], decode: dict[str, dict], settings: StudySettings
+) -> list[str]:
+    if not results:
+        return ["Not run yet."]
+    lines = [
+        "| budget | T | model | width | seeds | unique params | train FLOPs/token | "
+        "KV bytes/token | val loss causal | decode tok/s, batch 1 / 8 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    tried: dict[tuple[float, int, str], set[str]] = {}
+    for r in results:
+        tried.setdefault((r["budget"], r["seq_len"], r["label"]), set()).add(size_of(r))
+    order = [size for size, _ in settings.sizes]
+    edge = False
+    for (b, T, label), x in sorted(cells(results, None, decode).items(), key=lambda kv: kv[0][:2]):
+        speed = (f"{x['decode_tok_s_b1']:,.0f} / {x['decode_tok_s_b8']:,.0f}"
+                 if "decode_tok_s_b8" in x else "")  # fmt: skip
+        width = size_of({"name": x["name"]})
+        # the best of two or more widths at the grid's edge: a better one may lie beyond it
+        mark = "†" if len(tried[b, T, label]) > 1 and width in (order[0], order[-1]) else ""
+        edge = edge or bool(mark)
+        lines.append(
+            f"| {b:.1e} | {T} | {label} | {width}{mark} | {x['seeds']} | "
+            f"{x['params'] / 1e6:.2f}M | "
+            f"{x['flops_per_token'] / 1e6:.2f}M | {x['kv_bytes_per_token']:,.0f} | "
+            f"{x['loss']:.4f} | {speed} |"
+        )
+    if edge:
+        lines += ["", "† the best of the widths tried is the smallest or largest of the grid "
+                  f"({', '.join(order)}): the arm's best may lie beyond it."]  # fmt: skip
+    return lines
+
+
 def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettings) -> None:
+    decode = decode_rows(out)
     lines = [
         "# MoR study: Mixture-of-Recursions beside dense and MoD at equal training FLOPs",
         "",
         "Generated by `mod study --plan mor` (docs/mor.md). Losses: validation, nats per token, "
         "causal routing (what generation gets), mean over seeds, at each arm's best width. "
         "FLOPs per token: a training step's, charged; KV bytes: per token of context at 2 bytes "
-        "an element, each step at its capacity (token choice: balanced depths).",
+        "an element, each step at its capacity (token choice: balanced depths). Decode: greedy "
+        "tokens/s after a prompt of half the context, the seed-0 model of each arm's best width, "
+        "the models of a budget and length side by side (CPU, one thread, median of "
+        "interleaved rounds), measured once training is done with nothing else running. "
+        "Plot: `mor.png`.",
         "",
         "## The paper's claims",
         "",
         "| claim | where | verdict |",
         "|---|---|---|",
-        *[f"| {a} | {b} | {v} |" for a, b, v in claim_rows(results)],
+        *[f"| {a} | {b} | {v} |" for a, b, v in claim_rows(results, decode)],
         "",
         "## Every arm",
         "",
+        *_arm_lines(results, decode, settings),
     ]
-    if not results:
-        lines.append("Not run yet.")
-    else:
-        lines += [
-            "| budget | T | model | seeds | unique params | train FLOPs/token | KV bytes/token | "
-            "val loss causal |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for (b, T, label), x in sorted(cells(results).items(), key=lambda kv: kv[0][:2]):
-            lines.append(
-                f"| {b:.1e} | {T} | {label} | {x['seeds']} | {x['params'] / 1e6:.2f}M | "
-                f"{x['flops_per_token'] / 1e6:.2f}M | {x['kv_bytes_per_token']:,.0f} | "
-                f"{x['loss']:.4f} |"
-            )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
-    claims = [{"claim": a, "where": b, "verdict": v} for a, b, v in claim_rows(results)]
+    claims = [{"claim": a, "where": b, "verdict": v} for a, b, v in claim_rows(results, decode)]
     atomic_write_text(out / "findings.json", json_text({"claims": claims}, indent=1) + "\n")
+    if results:
+        plot(results, out / "mor.png")
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Per length, each grid arm's loss (best width, seed mean, the seed gap as a whisker)
+    against the training budget; and loss against KV bytes per token at each length's largest
+    budget run."""
+    c = cells([r for r in results if r["group"] in ("isoflop", "seed")])
+    lengths = sorted({T for _, T, _ in c})
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(lengths) + 1, figsize=(5 * (len(lengths) + 1), 4.2), dpi=110)
+    labels = [label for label, _, _ in ARMS]
+    for ax, T in zip(axes, lengths, strict=False):
+        for i, label in enumerate(labels):
+            pts = sorted((b, x) for (b, t, lab), x in c.items() if t == T and lab == label)
+            if pts:
+                ax.errorbar([b for b, _ in pts], [x["loss"] for _, x in pts],
+                            yerr=[x["gap"] or 0.0 for _, x in pts], marker="o", ms=4,
+                            capsize=2, color=f"C{i}", label=label)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set(title=f"{T} tokens of context", xlabel="training FLOPs",
+               ylabel="validation loss, causal (nats)")  # fmt: skip
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[-1]
+    for j, T in enumerate(lengths):
+        top = max(b for b, t, _ in c if t == T)
+        for i, label in enumerate(labels):
+            x = c.get((top, T, label))
+            if x is not None:
+                ax.scatter(x["kv_bytes_per_token"], x["loss"], color=f"C{i}",
+                           marker="os"[j % 2], label=f"T={T}" if i == 0 else None)  # fmt: skip
+    ax.set(title="loss against KV cache (largest budget run)", xlabel="KV bytes per token",
+           ylabel="validation loss, causal (nats)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -- decode speed of the trained models ---------------------------------------------------------
+def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | None) -> None:
+    """Decode speed, per budget and length, of the seed-0 model of each arm's best width (grid
+    arms, and the sharing and parameter pairs where they ran), side by side
+    (`measure.decode_speeds`), for the cells with a model not yet in ``decode.jsonl`` (the
+    cell's models again, all together). Needs the kept checkpoints (``--keep-checkpoints``)
+    and an otherwise idle machine. Delete the file to measure again."""
+    path = out / "decode.jsonl"
+    done = set(decode_rows(out))
+    c = cells(results)
+    for b, T in sorted({(b, T) for b, T, _ in c}):
+        names = [x["name"] for (b2, T2, _), x in c.items() if (b2, T2) == (b, T)]
+        kept = {n: work / n / CHECKPOINT_NAME for n in names if has_checkpoint(work / n)}
+        if not kept or all(n in done for n in kept):
+            continue
+        print(f"decode speed: budget {b:.1e}, T={T}, {len(kept)} models side by side")
+        ckpts = {n: resolve_checkpoint(p) for n, p in kept.items()}
+        speeds = decode_speeds(ckpts, T, data)
+        with path.open("a") as fh:
+            for name in kept:
+                fh.write(json_text({"name": name, **speeds[name]}) + "\n")
 
 
 PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)
@@ -245,4 +428,5 @@ PLAN = Plan(  # the module's globals are read at call time (tests cut the plan d
     report=lambda results, out, settings: write_report(results, out, settings),
     folders=Folders(out="docs/study/mor", work="runs/study-mor", quick_apart=True),
     seeds=lambda results, budget, settings: seed_specs(results, budget),
+    finish=lambda results, out, work, data: measure(results, out, work, data),
 )
