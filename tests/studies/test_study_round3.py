@@ -115,3 +115,17 @@ def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch):
     assert found["dense XS"]["loss"] == pytest.approx(rows[0]["val_loss_causal"])
     monkeypatch.setattr(rounds, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))
     assert len(running.run(out, work, quick=True, data=two_arms, progress=False)) == 2
+
+
+def test_an_arm_is_judged_against_another_only_beyond_the_larger_seed_spread():
+    def arm(losses):
+        return {"seeds": len(losses), "loss": sum(losses) / len(losses),
+                "spread": max(losses) - min(losses)}  # fmt: skip
+
+    dense = arm([2.70, 2.75])
+    assert "better beyond the seed spread" in rpt.against(arm([2.60, 2.62]), dense)
+    assert "worse beyond the seed spread" in rpt.against(arm([2.90, 2.95]), dense)
+    assert "within the seed spread" in rpt.against(arm([2.69, 2.71]), dense)
+    # a wide spread on either side swallows the same difference
+    assert "within the seed spread" in rpt.against(arm([2.40, 2.82]), dense)
+    assert "no verdict yet" in rpt.against(arm([2.10]), dense)

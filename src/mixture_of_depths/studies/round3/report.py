@@ -185,9 +185,19 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
         f"{arms[MOD_LABEL]['spread']:.3f} and {arms[DENSE_LABEL]['spread']:.3f}).",
         "",
     ]
+    dense = arms[DENSE_LABEL]
     for label, a in arms.items():
         if a.get("gap_closed") is not None:
-            lines.append(f"- {label}: closes {a['gap_closed']:.0%} of the gap ({a['seeds']} seeds)")
+            lines.append(
+                f"- {label}: closes {a['gap_closed']:.0%} of the gap ({a['seeds']} seeds); "
+                f"against dense: {against(a, dense)}"
+            )
+    bare = next((arms[a.label] for a in ARMS if a.arch == "bare" and a.label in arms), None)
+    if bare is not None:
+        lines.append(
+            f"- the routed blocks' worth: MoD S against the same model without them, "
+            f"{against(arms[MOD_LABEL], bare)}"
+        )
     cal = [(label, a["calibrated"]) for label, a in arms.items() if a.get("calibrated")]
     if cal:
         lines += [
@@ -204,6 +214,18 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
                 f"{c['loss_before']:.4f} | {c['loss_after']:.4f} |"
             )
     return lines
+
+
+def against(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """`a`'s mean loss against `b`'s, judged against the larger of their seed spreads (the
+    range over seeds): a verdict needs two seeds on both sides."""
+    diff = a["loss"] - b["loss"]
+    if a["seeds"] < 2 or b["seeds"] < 2:
+        return f"{diff:+.4f} nats (one seed on a side: no verdict yet)"
+    spread = max(a["spread"], b["spread"])
+    side = "better" if diff < 0 else "worse"
+    word = "within the seed spread" if abs(diff) <= spread else f"{side} beyond the seed spread"
+    return f"{diff:+.4f} nats, {word} ({spread:.4f})"
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
