@@ -129,3 +129,39 @@ def test_an_arm_is_judged_against_another_only_beyond_the_larger_seed_spread():
     # a wide spread on either side swallows the same difference
     assert "within the seed spread" in rpt.against(arm([2.40, 2.82]), dense)
     assert "no verdict yet" in rpt.against(arm([2.10]), dense)
+
+
+def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first():
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+
+    def _row(spec, loss):  # as run_one writes it: the model with its vocabulary
+        return {**dataclasses.asdict(spec), "model": {**spec.model, "vocab_size": 4096},
+                "val_loss_causal": loss}  # fmt: skip
+
+    first = (("dense", 2.75), ("mod", 3.07), ("mlp", 2.62), ("residual", 3.06))
+    rows = [_row(planning.spec_of(s, arm[t], 0), v) for t, v in first]
+    specs = planning.plan(s, rows)
+    seed1 = [sp for sp in specs if sp.seed == 1]
+    # the arm that closes most of the gap trains its next seed right after dense's
+    assert [sp.label for sp in seed1[:2]] == [arm["dense"].label, arm["mlp"].label]
+    assert not planning.follow_up(s, rows)  # one seed: no winner yet
+    rows += [_row(planning.spec_of(s, arm[t], 1), v) for t, v in (("dense", 2.70), ("mlp", 2.72))]
+    assert planning.winner(s, rows) == arm["mlp"]  # within dense's spread (0.05)
+    follow = planning.follow_up(s, rows)
+    assert {sp.budget for sp in follow} == {5e13, 1.5e14} and all(sp.seed == 0 for sp in follow)
+    for sp in follow:
+        cfg = MoDConfig(**sp.model)
+        if sp.label.startswith("dense"):
+            assert cfg.is_dense and sp.capacity_warmup == 0.0
+        else:
+            assert cfg.routing == "mlp" and sp.capacity_warmup == 0.1
+        assert (sp.seq_len, sp.batch_size, sp.evaluations) == (1024, 4, 10)
+    # the winner at its own size and budget is the round's run again (reused, not retrained)
+    own = next(sp for sp in follow if sp.budget == 1.5e14 and sp.label.startswith("MoD S,"))
+    assert rounds.twin(own, rows)["name"] == planning.spec_of(s, arm["mlp"], 0).name
+    # once every size at a budget ran, its best gets a second seed
+    at = [sp for sp in follow if sp.budget == 5e13 and not sp.label.startswith("dense")]
+    rows += [_row(sp, v) for sp, v in zip(at, (3.6, 3.4, 3.5), strict=True)]
+    more = {sp.name for sp in planning.follow_up(s, rows)} - {sp.name for sp in follow}
+    assert more == {planning.iso_spec(s, arm["mlp"], 5e13, "XS", 1).name}

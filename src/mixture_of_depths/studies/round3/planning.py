@@ -4,6 +4,7 @@ hypothesis of why MoD stops learning where dense learns to look back."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,20 +158,93 @@ def closes_the_gap(s: Round3Settings, results: list[dict[str, Any]], arm: Arm) -
     return means[arm.label] <= means[ARMS[0].label] + spread
 
 
+def leading(results: list[dict[str, Any]], arm: Arm) -> bool:
+    """Whether `arm`'s mean causal loss so far is nearer dense's than round 2's MoD arm's (it
+    closes more than half the gap): its seeds then come first among the deciding runs."""
+    means = mean_seeds(results, "val_loss_causal")
+    dense, mod, mine = (means.get(a.label) for a in (ARMS[0], ARMS[1], arm))
+    if arm in ARMS[:2] or dense is None or mod is None or mine is None or mod <= dense:
+        return False
+    return mod - mine > (mod - dense) / 2
+
+
 def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     """Every run the results so far call for, in the order to run them: the deciding arms (and
     any arm that closes the gap to dense) seed by seed, then the other arms seed by seed, so
-    that what decides the conclusion has its seeds first; the third seed of every deciding arm
-    and of any arm that closes the gap. Arms the library cannot build yet are left out until
-    it can."""
+    that what decides the conclusion has its seeds first; within a seed, dense and the arms
+    that lead (`leading`) first. The third seed of every deciding arm and of any arm that
+    closes the gap. Then the winner's isoFLOP points (`follow_up`), once there is a winner.
+    Arms the library cannot build yet are left out until it can."""
     arms = [a for a in ARMS if supported(a)]
+    lead = [a for a in arms if leading(results, a)]
+    arms = [*arms[:1], *lead, *(a for a in arms[1:] if a not in lead)]
     first, then = [], []
     for seed in sorted({*s.seeds, *s.deciding_seeds}):
         for arm in arms:
             more = arm.deciding or closes_the_gap(s, results, arm)
             if seed in s.seeds or (more and seed in s.deciding_seeds):
                 (first if more else then).append(spec_of(s, arm, seed))
-    return first + then
+    return first + then + follow_up(s, results)
+
+
+# -- item 4: a variant that brings MoD within dense's seed spread, or ahead ---------------------
+# Its isoFLOP points at round 2's 1024-token budgets, with dense rerun beside it where round 3
+# has no dense arm (round 2 evaluated on 32 windows, round 3 on 256): sizes per budget.
+FOLLOW_UP: tuple[tuple[float, tuple[str, ...], tuple[str, ...]], ...] = (
+    (5e13, ("XXS", "XS", "S"), ("XXS", "XS")),  # (budget, the winner's sizes, dense's sizes)
+    (1.5e14, ("XS", "S", "M"), ()),  # dense: the round's own dense XS arm
+)
+
+
+def winner(s: Round3Settings, results: list[dict[str, Any]]) -> Arm | None:
+    """The first MoD variant (round 2's arm aside) with two seeds or more that closes the gap
+    (`closes_the_gap`: within dense's seed spread of it, or better)."""
+    for arm in ARMS[2:]:
+        seeds = {r["seed"] for r in results if r["label"] == arm.label}
+        if arm.arch == "MoD" and len(seeds) >= 2 and closes_the_gap(s, results, arm):
+            return arm
+    return None
+
+
+def _over_text(arm: Arm) -> str:
+    return ", ".join(f"{k}={v}" for k, v in arm.over.items()) or "round 2's arm"
+
+
+def iso_spec(s: Round3Settings, arm: Arm, budget: float, size: str, seed: int) -> RunSpec:
+    """`arm` (MoD or dense) at `size` and `budget`, as the round trains it otherwise."""
+    base = spec_of(s, arm, seed)
+    shape = _SIZES[size] if arm.arch == "dense" else {**_SIZES[size], **MOD_ARM, **arm.over}
+    if arm.arch == "dense":
+        shape = {**shape, **DENSE}
+    return dataclasses.replace(
+        base,
+        name=f"r3-iso-{budget_tag(budget)}-{arm.tag}-{size}-s{seed}",
+        group="isoflop",
+        label=f"dense {size}" if arm.arch == "dense" else f"MoD {size}, {_over_text(arm)}",
+        budget=budget,
+        model={"max_seq_len": s.grid.seq_len, **shape},
+    )
+
+
+def follow_up(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
+    """With a `winner`: its isoFLOP points (the sizes of `FOLLOW_UP` at each budget) and dense's
+    where the round has none, seed 0; then a second seed for the best size of each (by causal
+    loss, once all its sizes ran). A point the round already trained (the winner at its own
+    size and budget) is reused, not trained again (`rounds.twin`)."""
+    arm = winner(s, results)
+    if arm is None or s is not FULL:
+        return []
+    done = {r["name"]: r for r in results}
+    specs = []
+    for budget, sizes, dense_sizes in FOLLOW_UP:
+        for who, names in ((arm, sizes), (ARMS[0], dense_sizes)):
+            firsts = [iso_spec(s, who, budget, size, 0) for size in names]
+            specs += firsts
+            if firsts and all(sp.name in done for sp in firsts):
+                best = min(firsts, key=lambda sp: done[sp.name]["val_loss_causal"])
+                size = best.name.rsplit("-", 2)[1]
+                specs.append(iso_spec(s, who, budget, size, 1))
+    return specs
 
 
 def arm_of(row: dict[str, Any]) -> Arm | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ...fileio import atomic_write_text, json_text
 from ..plots import pyplot
-from .planning import ARMS, Round3Settings, plan
+from .planning import ARMS, FULL, Round3Settings, plan
 
 DENSE_LABEL, MOD_LABEL = ARMS[0].label, ARMS[1].label
 
@@ -142,6 +142,7 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round3Settings) ->
     table, arms = deciding_table(out, results)
     pending = [sp.name for sp in plan(s, results) if sp.name not in {r["name"] for r in results}]
     lines = [*_intro(s), "## The deciding table", "", *table, "", *_reading(arms), ""]
+    lines += follow_up_table(results)
     notes = out / "notes.md"
     if notes.exists():
         lines += [notes.read_text().strip(), ""]
@@ -214,6 +215,53 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
                 f"{c['loss_before']:.4f} | {c['loss_after']:.4f} |"
             )
     return lines
+
+
+def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
+    """The winner's isoFLOP points beside dense's (`planning.follow_up`): per budget, every
+    size with its seeds, and the best of each side against the other."""
+    rows = [r for r in results if r["name"].startswith("r3-iso-")]
+    if not rows:
+        return []
+    lines = [
+        "## The winner at round 2's 1024-token isoFLOP points",
+        "",
+        "The first variant to close the gap with two seeds, at several sizes and at both of "
+        "round 2's larger budgets, beside dense (rerun here at 5e13 with this round's "
+        "evaluation; at 1.5e14 the round's dense XS arm).",
+        "",
+        "| budget | model, size | seeds | causal loss (each seed) | mean |",
+        "|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for budget in sorted({r["budget"] for r in rows}):
+        here = [r for r in rows if r["budget"] == budget]
+        if budget == FULL.budget:  # the round's own dense arm is dense's point here
+            here += [r for r in results if r["label"] == DENSE_LABEL]
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in here:
+            groups.setdefault(r["label"], []).append(r)
+        best: dict[str, dict[str, Any]] = {}
+        for label, rs in sorted(groups.items()):
+            a = arm_summary_losses(rs)
+            side = "dense" if label.startswith("dense") else "winner"
+            if side not in best or a["loss"] < best[side]["loss"]:
+                best[side] = {**a, "label": label}
+            each = ", ".join(f"{v:.4f}" for v in a["losses"])
+            lines.append(f"| {budget:.1e} | {label} | {a['seeds']} | {each} | {a['loss']:.4f} |")
+        if len(best) == 2:
+            verdicts.append(
+                f"- {budget:.1e}: best {best['winner']['label']} against best "
+                f"{best['dense']['label']}: {against(best['winner'], best['dense'])}"
+            )
+    return [*lines, "", *verdicts, ""]
+
+
+def arm_summary_losses(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seeds, losses, their mean and range, of one group of rows."""
+    losses = [r["val_loss_causal"] for r in sorted(rows, key=lambda r: r["seed"])]
+    return {"seeds": len(losses), "losses": losses, "loss": statistics.fmean(losses),
+            "spread": max(losses) - min(losses)}  # fmt: skip
 
 
 def against(a: dict[str, Any], b: dict[str, Any]) -> str:
