@@ -2,7 +2,7 @@
 same code, at equal training FLOPs; and MoR's headline at equal unique parameters.
 
 Arms on BPE text at 256 and 1024 tokens of context (the same tokens a step), to two
-training-FLOP budgets, at widths XS, S and M at the smaller budget and S and M at the larger:
+training-FLOP budgets, at widths XS and S at the smaller budget and S and M at the larger:
 dense (6 layers); MoD (6 layers, every other block routed at 12.5%); the plain recursive model
 (4 unique layers, the middle two applied 3 times, every token every step: no router); MoR with
 expert choice (steps at 25% and 12.5%) and token choice, each with recursion-wise KV caching
@@ -85,7 +85,9 @@ FULL = StudySettings(
         ("S", dict(d_model=96, n_heads=4)),
         ("M", dict(d_model=128, n_heads=4)),
     ),
-    skip=((5e13, ("XS",)),),  # S beat M at 1.5e13: XS brackets the small budget only
+    # S beat M at 1.5e13 for the first three arms: the small budget tries XS and S (the three
+    # M runs done before stay in the results), the larger one S and M (CPU time: ~100 runs)
+    skip=((1.5e13, ("M",)), (5e13, ("XS",))),
     seq_len=256,
     batch_size=16,
     eval_every_runs=2,
@@ -309,12 +311,14 @@ def _arm_lines(
         tried.setdefault((r["budget"], r["seq_len"], r["label"]), set()).add(size_of(r))
     order = [size for size, _ in settings.sizes]
     edge = False
+    ends = {k: (min(v, key=order.index), max(v, key=order.index)) for k, v in tried.items()}
     for (b, T, label), x in sorted(cells(results, None, decode).items(), key=lambda kv: kv[0][:2]):
         speed = (f"{x['decode_tok_s_b1']:,.0f} / {x['decode_tok_s_b8']:,.0f}"
                  if "decode_tok_s_b8" in x else "")  # fmt: skip
         width = size_of({"name": x["name"]})
-        # the best of two or more widths at the grid's edge: a better one may lie beyond it
-        mark = "†" if len(tried[b, T, label]) > 1 and width in (order[0], order[-1]) else ""
+        # the best of two or more widths is the smallest or largest tried: a better one may
+        # lie beyond it
+        mark = "†" if len(tried[b, T, label]) > 1 and width in ends[b, T, label] else ""
         edge = edge or bool(mark)
         lines.append(
             f"| {b:.1e} | {T} | {label} | {width}{mark} | {x['seeds']} | "
@@ -323,8 +327,8 @@ def _arm_lines(
             f"{x['loss']:.4f} | {speed} |"
         )
     if edge:
-        lines += ["", "† the best of the widths tried is the smallest or largest of the grid "
-                  f"({', '.join(order)}): the arm's best may lie beyond it."]  # fmt: skip
+        lines += ["", "† the best of the widths tried there is the smallest or largest of them "
+                  f"(widths {', '.join(order)}): the arm's best may lie beyond."]  # fmt: skip
     return lines
 
 
