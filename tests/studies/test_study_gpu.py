@@ -20,7 +20,7 @@ from mixture_of_depths.studies.round3 import planning as r3
 from mixture_of_depths.studies.runner import budget_tag, steps_for_budget
 
 CORPUS = 9_227_312  # the default corpus's BPE training tokens under Python 3.11 (docs/bench.md)
-TAGS = ("dense", "mod", "residual", "st", "mod-lr1e-3", "mod-lr4e-3")
+TAGS = ("dense", "mod", "residual", "mlp", "st", "bare", "mod-lr1e-3", "mod-lr4e-3")
 
 
 def _timings(step_s: float, concurrency: int = 16) -> dict[str, gp.Timing]:
@@ -42,11 +42,12 @@ def test_the_deciding_arms_come_first_with_three_seeds_each_as_round_3_builds_th
     runs = gp.specs(gp.FULL, 5e13, 4096)
     first = gp.specs(gp.FULL, 5e13, 4096, tiers=1)
     assert [(gp.tag_of(sp), sp.seed) for sp in first] == [
-        (t, sd) for t in ("dense", "mod", "residual") for sd in (0, 1, 2)
+        (t, sd) for t in ("dense", "mod", "residual", "mlp") for sd in (0, 1, 2)
     ]
     assert runs[: len(first)] == first  # the extras after them
-    assert {gp.tag_of(sp) for sp in runs[len(first) :]} == {"st", "mod-lr1e-3", "mod-lr4e-3"}
-    assert len({sp.name for sp in runs}) == len(runs) == 16
+    extras = {gp.tag_of(sp) for sp in runs[len(first) :]}
+    assert extras == {"st", "bare", "mod-lr1e-3", "mod-lr4e-3"}
+    assert len({sp.name for sp in runs}) == len(runs) == 21
     for sp in runs:
         cpu = r3.spec_of(r3.FULL, gp.arm(gp.tag_of(sp)), sp.seed)  # round 3's run on the CPU
         assert sp.name == f"gpu-{cpu.name}".replace(budget_tag(1.5e14), budget_tag(5e13))
@@ -82,7 +83,7 @@ def test_budgets_round_down_to_what_their_run_names_say(x, want):
 
 def test_a_fast_gpu_trains_every_arm_to_one_epoch_and_a_slow_one_fits_its_time():
     fast = gp.choose(gp.FULL, _timings(0.02), CORPUS, 4096, 360)
-    assert (fast.limit, fast.tiers, len(fast.specs)) == ("corpus", 3, 16)
+    assert (fast.limit, fast.tiers, len(fast.specs)) == ("corpus", 3, 21)
     assert fast.budget == fast.corpus_budget and fast.predicted_s <= 360
     assert all(_tokens(sp) <= CORPUS for sp in _per_arm(fast.specs))
     assert len({sp.budget for sp in fast.specs}) == 1  # the same FLOPs for every run
@@ -98,7 +99,7 @@ def test_a_fast_gpu_trains_every_arm_to_one_epoch_and_a_slow_one_fits_its_time()
             more = dataclasses.replace(gp.FULL, tiers=gp.FULL.tiers[: c.tiers + 1], keep_share=0)
             assert gp.choose(more, _timings(step_s), CORPUS, 4096, 360).budget < 0.8 * first
     slow = gp.choose(gp.FULL, _timings(0.4), CORPUS, 4096, 360)
-    assert slow.tiers == 1 and len(slow.specs) == 9
+    assert slow.tiers == 1 and len(slow.specs) == 12
     with pytest.raises(ValueError, match="give more --minutes"):
         gp.choose(gp.FULL, _timings(5.0), CORPUS, 4096, 60)
 
@@ -107,8 +108,9 @@ def test_an_arm_the_timing_pass_missed_drops_its_tier_and_the_ones_after():
     timings = _timings(0.02)
     del timings["st"]
     c = gp.choose(gp.FULL, timings, CORPUS, 4096, 360)
-    assert c.tiers == 1 and {gp.tag_of(sp) for sp in c.specs} == {"dense", "mod", "residual"}
-    del timings["residual"]
+    assert c.tiers == 1 and {gp.tag_of(sp) for sp in c.specs} == {"dense", "mod", "residual", "mlp"}
+    for tag in ("residual", "mlp"):
+        del timings[tag]
     with pytest.raises(ValueError, match="measured none of the deciding arms"):
         gp.choose(gp.FULL, timings, CORPUS, 4096, 360)
 

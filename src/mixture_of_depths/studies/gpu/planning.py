@@ -1,7 +1,7 @@
 """What the GPU plan trains, and how much: round 3's deciding arms (and, if time allows, the
-straight-through gate and two learning rates) at one training budget for every run, the largest
-that both the time left and the corpus allow. Pure functions of the settings, the timing pass's
-measurements and the corpus size: no training here."""
+straight-through gate, the MoD model without its routed blocks and two learning rates) at one
+training budget for every run, the largest that both the time left and the corpus allow. Pure
+functions of the settings, the timing pass's measurements and the corpus size: no training."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ class GpuSettings:
 FULL = GpuSettings(
     round3=r3.FULL,
     tiers=(
-        (("dense", (0, 1, 2)), ("mod", (0, 1, 2)), ("residual", (0, 1, 2))),
-        (("st", (0, 1, 2)),),
+        # MLP-only routing joined the deciding arms when it overtook dense on the CPU (seed 0)
+        (("dense", (0, 1, 2)), ("mod", (0, 1, 2)), ("residual", (0, 1, 2)), ("mlp", (0, 1, 2))),
+        (("st", (0, 1, 2)), ("bare", (0, 1))),
         (("mod-lr1e-3", (0, 1)), ("mod-lr4e-3", (0, 1))),
     ),
 )
