@@ -259,6 +259,16 @@ def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
     assert numbers["copy_probe"]["score"] == pytest.approx(probe["score"], abs=1e-9)
     assert numbers["copy_probe"]["take_second"] == pytest.approx(probe["take_second"], abs=1e-9)
     assert numbers["tokens"] == len(text) and numbers["routers"] == list(numbers["take_rate"])
+    # attention reach, the probe run directly on the inspected tokens (oracle)
+    from mixture_of_depths.probes import attention_reach
+
+    reach = attention_reach(model, torch.tensor([list(text.encode())]))
+    for got, want in zip(numbers["attention_reach"], reach, strict=True):
+        assert {k: got[k] for k in ("layer", "call", "routed", "queries")} == {
+            k: want[k] for k in ("layer", "call", "routed", "queries")
+        }
+        assert got["far_share_heads"] == pytest.approx(want["far_share_heads"], abs=1e-6)
+    assert len(reach) == len(model.blocks) and "## How far back attention looks" in report
     assert sum(numbers["blocks_taken"]) == len(text)
     assert main(["inspect", str(ckpt), "--text", "", "--out", str(out)]) == 2
     assert "no tokens" in capsys.readouterr().err

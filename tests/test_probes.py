@@ -1,6 +1,7 @@
-"""The copy probe against oracles: a model that cannot copy scores exactly 0, a hand-made perfect
-copier scores ln V less its floor, and the routers' take-rates on each copy are those of the
-forward's routes."""
+"""The probes against oracles. The copy probe: a model that cannot copy scores exactly 0, a
+hand-made perfect copier scores ln V less its floor, and the routers' take-rates on each copy are
+those of the forward's routes. Attention reach: with every query zeroed, attention is uniform
+over what each query may see, so its reach is a count over the masks (a slow loop)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import torch
 from helpers import V, make_model, tiny_config
 
 from mixture_of_depths.model import MoDOutput
-from mixture_of_depths.probes import copy_probe, copy_tokens, format_copy_probe
+from mixture_of_depths.probes import (
+    attention_reach,
+    copy_probe,
+    copy_tokens,
+    format_copy_probe,
+    format_reach,
+)
+from mixture_of_depths.routing import calibrate_predictors
 
 
 class Copier(torch.nn.Module):
@@ -79,3 +87,64 @@ def test_the_probe_leaves_the_model_as_it_was_and_checks_its_length():
     assert model.training
     with pytest.raises(ValueError, match="copy probe length"):
         copy_probe(model, length=model.config.max_seq_len + 2)
+
+
+# -- attention reach ------------------------------------------------------------------------------
+def _uniform_queries(model) -> None:  # noqa: ANN001
+    """Zero every query projection: each query then spreads its weight evenly over the keys it
+    may see, so the reach is a count over the mask alone (the oracle below)."""
+    with torch.no_grad():
+        for block in model.blocks:
+            attn = block.attn
+            attn.wqkv.weight[: attn.n_heads * attn.head_dim] = 0.0
+
+
+def _uniform_reach(sees, far: int) -> tuple[float, float]:  # noqa: ANN001
+    """Mean distance back and far share of uniform attention, averaged over the queries of
+    `sees`: (query place, the places of the keys it sees), a slow loop."""
+    dist, share = [], []
+    for i, keys in sees:
+        dist.append(sum(i - j for j in keys) / len(keys))
+        share.append(sum(i - j >= far for j in keys) / len(keys))
+    return sum(dist) / len(dist), sum(share) / len(share)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [dict(layer_pattern="D"), dict(), dict(skipped_kv="residual"), dict(routing="mlp")],
+    ids=["dense", "isolated", "residual", "mlp-only"],
+)
+def test_attention_reach_of_uniform_attention_is_a_count_over_what_each_query_sees(over):
+    far, T = 8, 40
+    model = make_model(tiny_config(**over))
+    _uniform_queries(model)
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(0))
+    if model.config.has_predictor and not model.config.is_dense:
+        calibrate_predictors(model, idx, 0.5)  # about half the tokens take each routed block
+    reach = attention_reach(model, idx, far=far)
+    assert all("attend" not in b.attn.__dict__ for b in model.blocks)  # the model is as it was
+    routes = {r.layer: r.mask for r in model(idx, routing="causal").routes if r.kind == "block"}
+    assert [r["layer"] for r in reach] == list(range(len(model.blocks)))  # every call, in order
+    for r in reach:
+        take = routes.get(r["layer"])
+        sees = []
+        for b in range(idx.shape[0]):
+            for i in range(far, T):
+                if take is not None and not take[b, i]:
+                    continue  # a skipper's output is discarded: not averaged
+                isolated = take is not None and model.config.skipped_kv == "none"
+                keys = [j for j in range(i + 1) if not isolated or take[b, j] or j == i]
+                sees.append((i, keys))
+        dist, share = _uniform_reach(sees, far)
+        assert r["routed"] == (take is not None) and r["queries"] == len(sees)
+        assert r["mean_distance"] == pytest.approx(dist, abs=1e-9)
+        assert r["far_share"] == pytest.approx(share, abs=1e-9)
+        assert r["far_share_heads"] == pytest.approx([share] * model.config.n_heads, abs=1e-9)
+
+
+def test_attention_reach_leaves_out_calls_on_gathered_tokens():
+    model = make_model(tiny_config())
+    idx = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(1))
+    topk = attention_reach(model, idx, far=4, routing="topk")
+    assert [r["layer"] for r in topk] == [i for i, b in enumerate(model.blocks) if not b.routed]
+    assert "L1 " in format_reach(topk, far=4) and "places back" in format_reach(topk, far=4)

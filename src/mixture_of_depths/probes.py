@@ -93,3 +93,112 @@ def format_copy_probe(probe: dict[str, Any]) -> str:
         )
         line += f"; take-rate first->second copy {takes}"
     return line
+
+
+# -- attention reach ------------------------------------------------------------------------------
+REACH_FAR = 32  # "far": at least this many places back (round 3: MoD's loss is flat from 32 on)
+
+
+def _active_queries(route_mask: Tensor | None, attn_mask: Tensor | None, T: int) -> Tensor | None:
+    """(B, T) bool: the queries whose output the layer keeps; None: every query. A routed
+    layer's route says; else an isolation mask (`routing.causal_attention_mask`) says which
+    tokens are keys for the later queries, and those are its takers."""
+    if route_mask is not None:
+        return route_mask.bool()
+    if attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.shape[-2] == T:
+        take = attn_mask[:, 0, -1, :].clone()  # the last query sees exactly the earlier takers
+        take[:, -1] = True  # (the diagonal is always open: the last token cannot be told)
+        return take
+    return None
+
+
+def _reach_of_call(
+    q: Tensor, k: Tensor, attn_mask: Tensor | None, active: Tensor | None, far: int, T: int
+) -> dict[str, Any] | None:
+    """One attention call's reach, row by row (a (T, T) map per head at a time): the mean
+    distance back of the attention weight and its share on keys `far` or more places back,
+    averaged over the active queries at places >= far (where far keys exist)."""
+    B, H, n_q, d = q.shape
+    if n_q != T or k.shape[-2] != T:  # a gathered subset (top-k) or a decode step: no places
+        return None
+    pos = torch.arange(T, device=q.device)
+    back = (pos[:, None] - pos[None, :]).clamp(min=0).to(torch.float64)  # (T, T)
+    causal = pos[None, :] <= pos[:, None]
+    dist_sum = torch.zeros(H, dtype=torch.float64)
+    far_sum = torch.zeros(H, dtype=torch.float64)
+    n = 0
+    for b in range(B):
+        keys = k[b].repeat_interleave(H // k.shape[1], dim=0) if k.shape[1] != H else k[b]
+        scores = (q[b].double() @ keys.double().transpose(-1, -2)) / d**0.5  # (H, T, T)
+        allowed = causal if attn_mask is None else attn_mask[b, 0].bool() & causal
+        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        rows = pos >= far
+        if active is not None:
+            rows = rows & active[b].to(q.device)
+        if not rows.any():
+            continue
+        p = p[:, rows]  # (H, n_b, T)
+        dist_sum += (p * back[rows]).sum(-1).sum(-1).cpu()
+        far_sum += (p * (back[rows] >= far)).sum(-1).sum(-1).cpu()
+        n += int(rows.sum())
+    if n == 0:
+        return {"queries": 0, "mean_distance": None, "far_share": None, "far_share_heads": []}
+    heads = (far_sum / n).tolist()
+    return {
+        "queries": n,
+        "mean_distance": float(dist_sum.sum() / (n * H)),
+        "far_share": float(sum(heads) / H),
+        "far_share_heads": heads,
+    }
+
+
+@torch.no_grad()
+def attention_reach(
+    model: MoDTransformer, idx: Tensor, far: int = REACH_FAR, routing: str = "causal"
+) -> list[dict[str, Any]]:
+    """How far back each attention call of one forward over `idx` (B, T) looks: per call, in
+    the order the forward makes them, its layer, whether the layer is routed, the queries it
+    was averaged over (a routed layer's takers; only places >= `far`), the mean distance back
+    of the attention weight (places), and the share of that weight on keys `far` or more
+    places back (per head too). A model that has learned to look back puts weight far back;
+    one that has not keeps it near. In causal routing every call sees the whole sequence in
+    its places (top-k routing gathers the takers, whose places the call cannot see: those
+    calls are left out)."""
+    calls: list[tuple[int, Tensor, Tensor, Tensor | None]] = []
+    for i, block in enumerate(model.blocks):
+
+        def record(q, k, v, attn_mask, _i=i, _attend=block.attn.attend):  # noqa: ANN001
+            calls.append((_i, q, k, attn_mask))
+            return _attend(q, k, v, attn_mask)
+
+        block.attn.attend = record  # an instance attribute, shadowing the method
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(idx, routing=routing)
+    finally:
+        model.train(was_training)
+        for block in model.blocks:
+            del block.attn.attend
+    routed = {r.layer: r.mask for r in out.routes if r.kind in ("block", "attn")}
+    result, seen = [], {}
+    for layer, q, k, attn_mask in calls:
+        T = idx.shape[1]
+        active = _active_queries(routed.get(layer), attn_mask, T) if q.shape[-2] == T else None
+        reach = _reach_of_call(q, k, attn_mask, active, far, T)
+        seen[layer] = seen.get(layer, -1) + 1
+        if reach is not None:
+            is_routed = layer in routed or active is not None
+            result.append({"layer": layer, "call": seen[layer], "routed": is_routed, **reach})
+    return result
+
+
+def format_reach(reach: list[dict[str, Any]], far: int = REACH_FAR) -> str:
+    """One line: per attention call, its layer and the share of attention >= `far` back."""
+    parts = [
+        f"L{r['layer']}{'r' if r['routed'] else ''}"
+        + (f".{r['call']}" if r["call"] else "")
+        + (f" {r['far_share']:.0%}" if r["far_share"] is not None else " -")
+        for r in reach
+    ]
+    return f"attention at least {far} places back: " + ", ".join(parts)

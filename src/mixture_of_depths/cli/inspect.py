@@ -23,7 +23,7 @@ from ..inspect import (
     report_md,
     rho_text,
 )
-from ..probes import copy_probe, format_copy_probe
+from ..probes import attention_reach, copy_probe, format_copy_probe, format_reach
 from ..runtime.checkpoint import load_config, load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
 
@@ -37,7 +37,8 @@ def add_parser(sub: Any, name: str) -> None:
         "index.html: blocks taken per token against independent per-router coins, the longest "
         "runs of skipped blocks and their loss, Spearman's rho of blocks taken against entropy "
         "and loss, the share routed by token class, and the copy probe (in-context copying of "
-        "a repeated random sequence, with each router's take-rate on each copy).",
+        "a repeated random sequence, with each router's take-rate on each copy), and how far "
+        "back each layer's attention looks.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
     src = p.add_mutually_exclusive_group()
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         baseline = load_model(args.baseline, map_location=device)[0]
     report = analyse(model, tokens, baseline=baseline)
     copy = copy_probe(model)  # random tokens: the same numbers whatever text was inspected
-    write_outputs(out, report, tokenizer, copy, tokens.shape[1])
+    reach = attention_reach(model, tokens.to(device))
+    write_outputs(out, report, tokenizer, copy, tokens.shape[1], reach)
     c = report.correlations
     print(
         f"{out}: index.html, report.md, report.json, routing.png, depth_hist.png, skip_runs.png, "
@@ -171,11 +173,17 @@ def run(args: argparse.Namespace) -> int:
         + ")"
     )
     print(format_copy_probe(copy))
+    print(format_reach(reach))
     return 0
 
 
 def write_outputs(
-    out: Path, report: Any, tokenizer: Tokenizer, copy: dict[str, Any], row_len: int
+    out: Path,
+    report: Any,
+    tokenizer: Tokenizer,
+    copy: dict[str, Any],
+    row_len: int,
+    reach: list[dict[str, Any]] | None = None,
 ) -> None:
     """The pictures, report.md, report.json and the page, into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -189,8 +197,11 @@ def write_outputs(
     is_byte = isinstance(tokenizer, ByteTokenizer)
     classes = class_table(report, None if is_byte else tokenizer_text)
     extreme = None if is_byte else extremes(report)
-    text = report_md(report, classes, extreme, lambda i: repr(tokenizer_text(i)), copy=copy)
+    text = report_md(
+        report, classes, extreme, lambda i: repr(tokenizer_text(i)), copy=copy, reach=reach
+    )
     atomic_write_text(out / "report.md", text)
-    atomic_write_text(out / "report.json", json_text(report_json(report, copy), indent=2) + "\n")
+    doc = report_json(report, copy, reach)
+    atomic_write_text(out / "report.json", json_text(doc, indent=2) + "\n")
     images = {p.stem: p for p in pictures}
     atomic_write_text(out / "index.html", html_page(report, tokenizer_text, images, text))

@@ -8,6 +8,7 @@ import html
 from pathlib import Path
 from typing import Any
 
+from ..probes import REACH_FAR
 from .analysis import Report, loss_by, loss_by_run, rho_text, variance_ratio_text
 from .stats import mean_interval
 
@@ -18,8 +19,10 @@ def report_md(
     extreme: dict | None,
     decode: Any = None,
     copy: dict | None = None,
+    reach: list[dict] | None = None,
 ) -> str:
-    """The numbers, as markdown (with `copy`, a `probes.copy_probe` result: its section)."""
+    """The numbers, as markdown (with `copy`, a `probes.copy_probe` result, and `reach`, a
+    `probes.attention_reach` result: their sections)."""
     lines = [
         "# Where the compute went",
         "",
@@ -34,6 +37,8 @@ def report_md(
         lines += _class_table(report, classes)
     if copy is not None:
         lines += _copy_section(copy)
+    if reach:
+        lines += _reach_section(reach)
     if extreme:
         for side in ("most", "least"):
             lines += [
@@ -139,7 +144,35 @@ def _copy_section(copy: dict) -> list[str]:
     return lines
 
 
-def report_json(report: Report, copy: dict | None = None) -> dict[str, Any]:
+def _reach_section(reach: list[dict]) -> list[str]:
+    """How far back each attention call looks on the inspected text."""
+    lines = [
+        "",
+        "## How far back attention looks",
+        "",
+        "On the inspected text, causal routing; per attention call, averaged over the queries at "
+        f"places >= {REACH_FAR} (a routed layer: its takers): the mean distance back of the "
+        f"attention weight, and its share on keys {REACH_FAR} or more places back.",
+        "",
+        f"| layer | routed | queries | mean distance back | share >= {REACH_FAR} back | per head |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in reach:
+        name = f"{r['layer']}" + (f" (call {r['call'] + 1})" if r["call"] else "")
+        if r["far_share"] is None:
+            lines.append(f"| {name} | {'yes' if r['routed'] else 'no'} | 0 | | | |")
+            continue
+        heads = " / ".join(f"{h:.2f}" for h in r["far_share_heads"])
+        lines.append(
+            f"| {name} | {'yes' if r['routed'] else 'no'} | {r['queries']} | "
+            f"{r['mean_distance']:.1f} | {r['far_share']:.3f} | {heads} |"
+        )
+    return lines
+
+
+def report_json(
+    report: Report, copy: dict | None = None, reach: list[dict] | None = None
+) -> dict[str, Any]:
     """The numbers of report.md that are not per token, as one JSON-ready dict (report.json)."""
     return {
         "tool": "mod inspect",  # first, so a later run recognises the file as its own
@@ -152,6 +185,7 @@ def report_json(report: Report, copy: dict | None = None) -> dict[str, Any]:
         "independence": dict(report.independence),
         "correlations": {k: dict(v) for k, v in report.correlations.items()},
         "copy_probe": copy,
+        "attention_reach": reach,
     }
 
 
