@@ -106,11 +106,19 @@ def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch):
         cal["before"]["take_rate"]
     )
     assert "calibration" not in rows[0]
+    for r in rows:  # how far back each layer looks: every layer once, the routed ones marked
+        reach = r["attention_reach"]
+        assert [c["layer"] for c in reach] == list(range(r["model"]["n_layers"]))
+        assert [c["routed"] for c in reach] == [
+            r["label"].startswith("MoD") and i % 2 == 1 for i in range(len(reach))
+        ]
+        assert all(0.0 <= c["far_share"] <= 1.0 for c in reach if c["far_share"] is not None)
     kept = work.with_name(work.name + "-kept")
     assert all((kept / r["name"] / "model.safetensors").exists() for r in rows)
     text = (out / "report.md").read_text()
     assert "## The deciding table" in text and "| dense XS | 1 |" in text
     assert "0 planned still to run" in text and (out / "round3.png").exists()
+    assert "attention >= 32 back" in text and " L1r " in text
     found = json.loads((out / "findings.json").read_text())
     assert found["dense XS"]["loss"] == pytest.approx(rows[0]["val_loss_causal"])
     monkeypatch.setattr(rounds, "run_one", lambda *a, **k: pytest.fail("nothing should rerun"))

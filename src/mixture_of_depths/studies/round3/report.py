@@ -70,9 +70,25 @@ def arm_summary(out: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "copy_score": _mean([r.get("copy_probe", {}).get("score") for r in rows]),
         "late_loss": _mean([late_loss(r) for r in rows]),
         "gate_p50": _mean([last_gate(out, r) for r in rows]),
+        "reach": reach_summary(rows),
         "tokens": statistics.fmean(r["tokens"] for r in rows),
         "calibrated": _calibrated(rows),
     }
+
+
+def reach_summary(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Per attention call ("L<layer>", "r" for a routed one, ".<n>" for a later application of
+    the same layer), the share of attention weight 32 or more places back (`probes.
+    attention_reach`), mean over the seeds that measured it; None where none did."""
+    per: dict[str, list[float]] = {}
+    for r in rows:
+        for call in r.get("attention_reach") or []:
+            if call["far_share"] is None:
+                continue
+            name = f"L{call['layer']}{'r' if call['routed'] else ''}"
+            name += f".{call['call']}" if call["call"] else ""
+            per.setdefault(name, []).append(call["far_share"])
+    return {k: statistics.fmean(v) for k, v in per.items()} or None
 
 
 def _calibrated(rows: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -99,8 +115,9 @@ def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str],
     dense, mod = arms.get(DENSE_LABEL), arms.get(MOD_LABEL)
     lines = [
         "| arm | seeds | causal loss (each seed) | mean | spread | vs dense | gap closed | "
-        "copy score | loss, 2nd half of context | gate p50 (1st routed layer) | tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "copy score | loss, 2nd half of context | gate p50 (1st routed layer) | "
+        "attention >= 32 back, per layer | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, a in arms.items():
         vs = closed = None
@@ -113,9 +130,14 @@ def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str],
         lines.append(
             f"| {label} | {a['seeds']} | {each} | {a['loss']:.4f} | {a['spread']:.3f} | "
             f"{_f(vs, '+.1%')} | {_f(closed, '.0%')} | {_f(a['copy_score'], '+.3f')} | "
-            f"{_f(a['late_loss'], '.4f')} | {_f(a['gate_p50'], '.3f')} | {a['tokens'] / 1e6:.1f}M |"
+            f"{_f(a['late_loss'], '.4f')} | {_f(a['gate_p50'], '.3f')} | {_reach_text(a)} | "
+            f"{a['tokens'] / 1e6:.1f}M |"
         )
     return lines, arms
+
+
+def _reach_text(a: dict[str, Any]) -> str:
+    return " ".join(f"{k} {v:.2f}" for k, v in (a.get("reach") or {}).items())
 
 
 def run_table(out: Path, results: list[dict[str, Any]]) -> list[str]:
@@ -277,9 +299,10 @@ def against(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
-    """round3.png: copy score against tokens seen, loss by place, gate p50 against tokens."""
+    """round3.png: copy score against tokens seen, loss by place, gate p50 against tokens, and
+    how far back each layer's attention looks."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.6))
     colors = {a.label: f"C{i % 10}" for i, a in enumerate(ARMS)}
     for label, rows in by_arm(results).items():
         for j, r in enumerate(rows):
@@ -294,11 +317,18 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
             if gates:
                 axes[2].plot(tokens[-len(gates) :], gates, "o-", ms=2.5, **kw)
         _loss_by_place(axes[1], label, rows, colors[label])
+        reach = reach_summary(rows)
+        if reach:
+            axes[3].plot(range(len(reach)), list(reach.values()), "o-", ms=3,
+                         color=colors[label], label=label)  # fmt: skip
+            axes[3].set_xticks(range(len(reach)), list(reach), fontsize=7)
     axes[0].set(xlabel="tokens seen (M)", ylabel="copy score (nats)", title="in-context copying")
     axes[1].set(xscale="log", xlabel="place in the context", ylabel="held-out loss (nats)",
                 title="loss by place (mean over seeds)")  # fmt: skip
     axes[2].set(xlabel="tokens seen (M)", ylabel="gate on chosen tokens, median",
                 title="first routed layer's gate")  # fmt: skip
+    axes[3].set(xlabel="attention call (r: routed)", ylabel="share of attention >= 32 back",
+                title="how far back attention looks (mean over seeds)")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6.5)

@@ -11,6 +11,7 @@ import torch
 
 from ...calibrate import causal_take_rates, fit_thresholds
 from ...data import load_tokenizer
+from ...probes import attention_reach
 from ...runtime.checkpoint import load_model
 from ...train import evaluate
 from ...train.evaluate import run_batches
@@ -33,7 +34,8 @@ def place_edges(seq_len: int) -> list[int]:
 
 def profile(spec: RunSpec, s: Round3Settings, folder: Path, data: str | None) -> dict[str, Any]:
     """The held-out loss by place in the context, on every validation window the run used; for a
-    MoD model, its causal thresholds calibrated (`calibration`); and a copy of the model, kept
+    MoD model, its causal thresholds calibrated (`calibration`); how far back its attention
+    looks (`reach`); and a copy of the model, kept
     beside the work folder (``<work>-kept/<name>``) for decode timings at a quiet moment."""
     g = s.grid
     seq_len = spec.seq_len or g.seq_len
@@ -46,12 +48,25 @@ def profile(spec: RunSpec, s: Round3Settings, folder: Path, data: str | None) ->
     }  # fmt: skip
     if "R" in spec.model.get("layer_pattern", "D"):
         row["calibration"] = calibration(ckpt, data)
+    row["attention_reach"] = reach(ckpt, data)
     kept = folder.parent.with_name(folder.parent.name + "-kept") / spec.name
     kept.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer.json"):
         if (ckpt / name).exists():
             shutil.copyfile(ckpt / name, kept / name)
     return row
+
+
+REACH_WINDOWS = 8  # validation windows the attention reach is measured on
+
+
+def reach(ckpt: Path, data: str | None) -> list[dict[str, Any]]:
+    """How far back each layer's attention looks (`probes.attention_reach`, causal routing) on
+    the first `REACH_WINDOWS` validation windows of the run."""
+    model, cfg = load_model(ckpt)
+    batches, _ = run_batches(ckpt, load_tokenizer(ckpt), cfg.max_seq_len, data)
+    idx = torch.cat([x for x, _ in batches])[:REACH_WINDOWS]
+    return attention_reach(model, idx)
 
 
 def calibration(ckpt: Path, data: str | None) -> dict[str, Any]:
