@@ -83,3 +83,24 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     assert (out / "decode.jsonl").read_text() == before
     mor.write_report([], tmp_path / "empty", mor.QUICK)
     assert "Not run yet." in (tmp_path / "empty" / "report.md").read_text()
+
+
+def test_each_length_gets_its_second_seeds_before_the_next_lengths_grid(tmp_path, monkeypatch):
+    order = []
+
+    def fake(spec, *a, **kw):  # a row as run_one writes it, without training
+        order.append(spec.name)
+        loss = 4.0 + 0.01 * len(order)
+        return {**dataclasses.asdict(spec), "model": {**spec.model, "vocab_size": 4096},
+                "val_loss_causal": loss, "val_loss_topk": loss, "params": 1}  # fmt: skip
+
+    monkeypatch.setattr(runner, "run_one", fake)
+    monkeypatch.setattr(mor, "write_report", lambda *a, **k: None)
+    runner.study(mor.PLAN, tmp_path / "out", tmp_path / "work", progress=False)
+    first = [n for n in order if n.startswith("1.5e13")]
+    grid_1024 = [i for i, n in enumerate(order) if n.startswith("1.5e13") and "T1024-s0" in n]
+    seeds_256 = [i for i, n in enumerate(order) if "T256-s1" in n and n.startswith("1.5e13")]
+    seeds_256 = [i for i in seeds_256 if "-mor-ec-" not in order[i]]  # the pair's own seeds
+    assert seeds_256 and max(seeds_256) < min(grid_1024)
+    assert len(seeds_256) == len(mor.ARMS) and len(order) == len(set(order))
+    assert first == order[: len(first)]  # the small budget, its seeds and pair, before 5e13

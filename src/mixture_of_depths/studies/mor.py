@@ -136,10 +136,10 @@ def _pairs(
 
 
 def plan(settings: StudySettings) -> list[RunSpec]:
-    """Every arm at every width, length and budget, the smallest budget first (its second seeds
-    join when its grid is done, `runner.study`); then the sharing pair (first width, smallest
-    budget) and the equal-parameter pair (last width, largest budget, first length) before the
-    larger budgets' grids, so that each claim has its runs early."""
+    """Every arm at every width, length and budget, the smallest budget first (each length's
+    second seeds join when its grid is done, `runner.study`); then the sharing pair (width S,
+    smallest budget) and the equal-parameter pair (width M, largest budget, first length)
+    before the larger budget's grid, so that each claim has its runs early."""
     grids = [
         [
             RunSpec(
@@ -166,11 +166,11 @@ def plan(settings: StudySettings) -> list[RunSpec]:
     return grids[0] + extra + [spec for grid in grids[1:] for spec in grid]
 
 
-def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
-    """A second seed for each arm's best width at this budget, per length."""
+def seed_specs(results: list[dict[str, Any]], budget: float, T: int) -> list[RunSpec]:
+    """A second seed for each arm's best width at this budget and length."""
     best: dict[tuple[str, int], dict[str, Any]] = {}
     for r in results:
-        if r["group"] == "isoflop" and r["budget"] == budget and r["seed"] == 0:
+        if (r["group"], r["budget"], r["seq_len"], r["seed"]) == ("isoflop", budget, T, 0):
             key = (r["label"], r["seq_len"])
             if key not in best or r["val_loss_causal"] < best[key]["val_loss_causal"]:
                 best[key] = r
@@ -431,6 +431,8 @@ PLAN = Plan(  # the module's globals are read at call time (tests cut the plan d
     runs=lambda settings: plan(settings),
     report=lambda results, out, settings: write_report(results, out, settings),
     folders=Folders(out="docs/study/mor", work="runs/study-mor", quick_apart=True),
-    seeds=lambda results, budget, settings: seed_specs(results, budget),
+    # per budget and length: a length's verdicts need not wait for the other's grid
+    seeds=lambda results, group, settings: seed_specs(results, *group),
+    seed_group=lambda spec: (spec.budget, spec.seq_len),
     finish=lambda results, out, work, data: measure(results, out, work, data),
 )

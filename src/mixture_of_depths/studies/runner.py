@@ -295,10 +295,12 @@ class Plan:
     runs: Callable[[StudySettings], list[RunSpec]]
     report: Callable[[list[dict[str, Any]], Path, StudySettings], None]
     folders: Folders
-    # the second seeds of a budget once its grid is done: (results, budget, settings) -> runs
-    seeds: Callable[[list[dict[str, Any]], float, StudySettings], list[RunSpec]] = lambda r, b, s: (
+    # the second seeds of a group of the grid once it is done: (results, group, settings) ->
+    # runs; a group is what `seed_group` says of a grid run (by default its budget)
+    seeds: Callable[[list[dict[str, Any]], Any, StudySettings], list[RunSpec]] = lambda r, b, s: (
         seed_specs(r, b)
     )
+    seed_group: Callable[[RunSpec], Any] = lambda spec: spec.budget
     # after the runs, measurements of the trained models (results, out, work, data); their
     # checkpoints are kept for it
     finish: Callable[[list[dict[str, Any]], Path, Path, str | None], None] | None = None
@@ -326,7 +328,11 @@ def study(
     n_total = len(specs) + 2 * len(settings.budgets)
     bar = tqdm(total=n_total, initial=len(done), desc="study", unit="run", disable=not progress)
     pending = list(specs)
-    seeded: set[float] = set()
+    groups: dict[Any, list[RunSpec]] = {}  # the grid's runs by seed group, in plan order
+    for spec in specs:
+        if spec.group == "isoflop":
+            groups.setdefault(plan.seed_group(spec), []).append(spec)
+    seeded: set[Any] = set()
     while pending:
         spec = pending.pop(0)
         if spec.name not in done:
@@ -340,12 +346,14 @@ def study(
             plan.report(results, out, settings)
             if not keep_checkpoints and plan.finish is None:
                 shutil.rmtree(work / spec.name, ignore_errors=True)
-        for budget in settings.budgets:  # a budget's isoFLOP runs done: plan its second seeds
-            grid = [s for s in specs if s.group == "isoflop" and s.budget == budget]
-            if budget not in seeded and all(s.name in done for s in grid):
-                seeded.add(budget)
-                # next, before the larger budgets: a budget is complete, seeds and all, early
-                pending[:0] = plan.seeds(results, budget, settings)
+        new: list[RunSpec] = []
+        for key, grid in groups.items():  # a group's isoFLOP runs done: its second seeds
+            if key not in seeded and all(s.name in done for s in grid):
+                seeded.add(key)
+                new += plan.seeds(results, key, settings)
+        # next, in the groups' order, before the later groups' runs: a group is complete,
+        # seeds and all, early (and a resumed study's done groups keep their order)
+        pending[:0] = new
     bar.close()
     if plan.finish is not None:
         plan.finish(results, out, work, data)
