@@ -139,13 +139,13 @@ def test_an_arm_is_judged_against_another_only_beyond_the_larger_seed_spread():
     assert "no verdict yet" in rpt.against(arm([2.10]), dense)
 
 
-def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first():
+def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp_path):
     s = planning.FULL
     arm = {a.tag: a for a in planning.ARMS}
 
     def _row(spec, loss):  # as run_one writes it: the model with its vocabulary
         return {**dataclasses.asdict(spec), "model": {**spec.model, "vocab_size": 4096},
-                "val_loss_causal": loss}  # fmt: skip
+                "val_loss_causal": loss, "tokens": 1}  # fmt: skip
 
     first = (("dense", 2.75), ("mod", 3.07), ("mlp", 2.62), ("residual", 3.06))
     rows = [_row(planning.spec_of(s, arm[t], 0), v) for t, v in first]
@@ -167,9 +167,19 @@ def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first():
         assert (sp.seq_len, sp.batch_size, sp.evaluations) == (1024, 4, 10)
     # the winner at its own size and budget is the round's run again (reused, not retrained)
     own = next(sp for sp in follow if sp.budget == 1.5e14 and sp.label.startswith("MoD S,"))
+    assert "routing=mlp" in own.label
     assert rounds.twin(own, rows)["name"] == planning.spec_of(s, arm["mlp"], 0).name
     # once every size at a budget ran, its best gets a second seed
     at = [sp for sp in follow if sp.budget == 5e13 and not sp.label.startswith("dense")]
     rows += [_row(sp, v) for sp, v in zip(at, (3.6, 3.4, 3.5), strict=True)]
     more = {sp.name for sp in planning.follow_up(s, rows)} - {sp.name for sp in follow}
     assert more == {planning.iso_spec(s, arm["mlp"], 5e13, "XS", 1).name}
+    # the points never count as the round's arms: a dense XS at 5e13, far off the 1.5e14 arm,
+    # leaves the winner, the gap and the deciding table as they were
+    table = rpt.deciding_table(tmp_path, rows)[1]
+    dense_pts = [sp for sp in follow if sp.budget == 5e13 and sp.label.startswith("dense")]
+    rows += [_row(sp, 3.3) for sp in dense_pts]
+    assert planning.winner(s, rows) == arm["mlp"]
+    assert not planning.closes_the_gap(s, rows, arm["residual"])
+    assert rpt.deciding_table(tmp_path, rows)[1] == table
+    assert "dense XS, 5e13 FLOPs" in "\n".join(rpt.follow_up_table(rows))

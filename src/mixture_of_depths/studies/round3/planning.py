@@ -149,6 +149,7 @@ def spec_of(s: Round3Settings, arm: Arm, seed: int) -> RunSpec:
 def closes_the_gap(s: Round3Settings, results: list[dict[str, Any]], arm: Arm) -> bool:
     """Whether `arm`'s mean causal loss is within the dense arm's seed spread of it, or better
     (then it gets the deciding arms' seeds too)."""
+    results = own_rows(results)
     dense = [r for r in results if r["label"] == ARMS[0].label]
     mine = [r for r in results if r["label"] == arm.label]
     if len(dense) < 2 or not mine:
@@ -158,10 +159,15 @@ def closes_the_gap(s: Round3Settings, results: list[dict[str, Any]], arm: Arm) -
     return means[arm.label] <= means[ARMS[0].label] + spread
 
 
+def own_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the round's arms (group "round3"), not of the winner's isoFLOP points."""
+    return [r for r in results if r.get("group") == "round3"]
+
+
 def leading(results: list[dict[str, Any]], arm: Arm) -> bool:
     """Whether `arm`'s mean causal loss so far is nearer dense's than round 2's MoD arm's (it
-    closes more than half the gap): its seeds then come first among the deciding runs."""
-    means = mean_seeds(results, "val_loss_causal")
+    closes more than half the gap): its seeds then come first, among the deciding runs."""
+    means = mean_seeds(own_rows(results), "val_loss_causal")
     dense, mod, mine = (means.get(a.label) for a in (ARMS[0], ARMS[1], arm))
     if arm in ARMS[:2] or dense is None or mod is None or mine is None or mod <= dense:
         return False
@@ -170,9 +176,9 @@ def leading(results: list[dict[str, Any]], arm: Arm) -> bool:
 
 def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     """Every run the results so far call for, in the order to run them: the deciding arms (and
-    any arm that closes the gap to dense) seed by seed, then the other arms seed by seed, so
-    that what decides the conclusion has its seeds first; within a seed, dense and the arms
-    that lead (`leading`) first. The third seed of every deciding arm and of any arm that
+    any arm that closes the gap to dense or leads, `leading`) seed by seed, then the other arms
+    seed by seed, so that what decides the conclusion has its seeds first; within a seed, dense
+    and the leading arms first. The third seed of every deciding arm and of any arm that
     closes the gap. Then the winner's isoFLOP points (`follow_up`), once there is a winner.
     Arms the library cannot build yet are left out until it can."""
     arms = [a for a in ARMS if supported(a)]
@@ -183,7 +189,7 @@ def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
         for arm in arms:
             more = arm.deciding or closes_the_gap(s, results, arm)
             if seed in s.seeds or (more and seed in s.deciding_seeds):
-                (first if more else then).append(spec_of(s, arm, seed))
+                (first if more or arm in lead else then).append(spec_of(s, arm, seed))
     return first + then + follow_up(s, results)
 
 
@@ -200,14 +206,15 @@ def winner(s: Round3Settings, results: list[dict[str, Any]]) -> Arm | None:
     """The first MoD variant (round 2's arm aside) with two seeds or more that closes the gap
     (`closes_the_gap`: within dense's seed spread of it, or better)."""
     for arm in ARMS[2:]:
-        seeds = {r["seed"] for r in results if r["label"] == arm.label}
+        seeds = {r["seed"] for r in own_rows(results) if r["label"] == arm.label}
         if arm.arch == "MoD" and len(seeds) >= 2 and closes_the_gap(s, results, arm):
             return arm
     return None
 
 
 def _over_text(arm: Arm) -> str:
-    return ", ".join(f"{k}={v}" for k, v in arm.over.items()) or "round 2's arm"
+    over = {**arm.over, **({"lr": arm.lr} if arm.lr is not None else {})}
+    return ", ".join(f"{k}={v}" for k, v in over.items()) or "round 2's arm"
 
 
 def iso_spec(s: Round3Settings, arm: Arm, budget: float, size: str, seed: int) -> RunSpec:
@@ -220,7 +227,9 @@ def iso_spec(s: Round3Settings, arm: Arm, budget: float, size: str, seed: int) -
         base,
         name=f"r3-iso-{budget_tag(budget)}-{arm.tag}-{size}-s{seed}",
         group="isoflop",
-        label=f"dense {size}" if arm.arch == "dense" else f"MoD {size}, {_over_text(arm)}",
+        # never an arm's label: these rows are the winner's points, judged apart (`own_rows`)
+        label=(f"dense {size}" if arm.arch == "dense" else f"MoD {size}, {_over_text(arm)}")
+        + f", {budget_tag(budget)} FLOPs",
         budget=budget,
         model={"max_seq_len": s.grid.seq_len, **shape},
     )

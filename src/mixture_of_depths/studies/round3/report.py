@@ -11,7 +11,7 @@ from typing import Any
 
 from ...fileio import atomic_write_text, json_text
 from ..plots import pyplot
-from .planning import ARMS, FULL, Round3Settings, plan
+from .planning import ARMS, FULL, Round3Settings, own_rows, plan
 
 DENSE_LABEL, MOD_LABEL = ARMS[0].label, ARMS[1].label
 
@@ -19,6 +19,7 @@ DENSE_LABEL, MOD_LABEL = ARMS[0].label, ARMS[1].label
 def by_arm(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The rows of each arm, in the order of `ARMS` (arms with no row yet left out)."""
     out: dict[str, list[dict[str, Any]]] = {}
+    results = own_rows(results)
     for arm in ARMS:
         rows = sorted((r for r in results if r["label"] == arm.label), key=lambda r: r["seed"])
         if rows:
@@ -259,7 +260,7 @@ def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
     for budget in sorted({r["budget"] for r in rows}):
         here = [r for r in rows if r["budget"] == budget]
         if budget == FULL.budget:  # the round's own dense arm is dense's point here
-            here += [r for r in results if r["label"] == DENSE_LABEL]
+            here += [r for r in own_rows(results) if r["label"] == DENSE_LABEL]
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in here:
             groups.setdefault(r["label"], []).append(r)
