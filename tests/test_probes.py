@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 from helpers import V, make_model, tiny_config
+from recursion_helpers import CASES, IDS, mor_config
 
 from mixture_of_depths.model import MoDOutput
 from mixture_of_depths.probes import (
     attention_reach,
+    attention_weights,
     copy_probe,
     copy_tokens,
     format_copy_probe,
@@ -140,6 +142,86 @@ def test_attention_reach_of_uniform_attention_is_a_count_over_what_each_query_se
         assert r["mean_distance"] == pytest.approx(dist, abs=1e-9)
         assert r["far_share"] == pytest.approx(share, abs=1e-9)
         assert r["far_share_heads"] == pytest.approx([share] * model.config.n_heads, abs=1e-9)
+
+
+def _capture(model):  # noqa: ANN001, ANN202
+    """Record every attention call's queries, keys, values and mask (the model is unchanged)."""
+    calls = []
+    for block in model.blocks:
+
+        def record(q, k, v, attn_mask, _attend=block.attn.attend):  # noqa: ANN001, ANN202
+            calls.append((q, k, v, attn_mask))
+            return _attend(q, k, v, attn_mask)
+
+        block.attn.attend = record
+    return calls
+
+
+@pytest.mark.parametrize(
+    "config", [tiny_config(), tiny_config(skipped_kv="residual"), mor_config(),
+               mor_config(recursion_kv="share")],
+    ids=["isolated", "residual", "mor", "mor-share"],
+)  # fmt: skip
+def test_attention_weights_are_those_sdpa_computed(config):
+    """On random weights, the weights the reach is computed from, times the values, give what
+    SDPA gave on the same call (grouped key heads, causal and isolation masks included)."""
+    model = make_model(config)
+    idx = torch.randint(0, V, (2, 37), generator=torch.Generator().manual_seed(2))
+    calls = _capture(model)
+    model(idx, routing="causal")
+    assert len(calls) == len(config.layer_schedule)
+    for q, k, v, mask in calls:
+        if q.shape[-2] != idx.shape[1] or k.shape[-2] != idx.shape[1]:
+            continue
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
+        for b in range(idx.shape[0]):
+            p = attention_weights(q[b], k[b], None if mask is None else mask[b, 0])
+            vals = v[b].repeat_interleave(q.shape[1] // v.shape[1], dim=0).double()
+            torch.testing.assert_close(p @ vals, want[b].double(), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("over", CASES, ids=IDS)
+def test_attention_reach_of_a_recursive_model_counts_each_steps_takers(over):
+    far, T = 8, 40
+    model = make_model(mor_config(**over))
+    _uniform_queries(model)
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(3))
+    if model.config.recursion_router == "expert" and model.config.has_predictor:
+        calibrate_predictors(model, idx, 0.5)
+    cfg = model.config
+    steps = {r.layer: r.mask for r in model(idx, routing="causal").routes}
+    reach = attention_reach(model, idx, far=far)
+    assert [(r["layer"], r["call"]) for r in reach] == [
+        (layer, [x for x, _ in cfg.layer_schedule[:n]].count(layer))
+        for n, (layer, _) in enumerate(cfg.layer_schedule)
+    ]
+    for r in reach:
+        take = steps.get(r["call"]) if r["layer"] in cfg.recursion_layers[1] else None
+        sees = []
+        for b in range(idx.shape[0]):
+            for i in range(far, T):
+                if take is not None and not take[b, i]:
+                    continue
+                isolated = take is not None and cfg.recursion_kv == "recursion"
+                keys = [j for j in range(i + 1) if not isolated or take[b, j] or j == i]
+                sees.append((i, keys))
+        assert r["routed"] == (take is not None) and r["queries"] == len(sees)
+        if sees:
+            dist, share = _uniform_reach(sees, far)
+            assert r["mean_distance"] == pytest.approx(dist, abs=1e-9)
+            assert r["far_share"] == pytest.approx(share, abs=1e-9)
+
+
+def test_attention_reach_restores_what_it_shadows_even_when_the_forward_fails():
+    model = make_model(tiny_config())
+    mine = model.blocks[0].attn.attend
+    model.blocks[0].attn.attend = mine  # someone else's instance attribute, kept
+    with pytest.raises(ValueError, match="out of range"):
+        attention_reach(model, torch.full((1, 20), V + 5))  # ids beyond the vocabulary
+    assert model.blocks[0].attn.__dict__["attend"] is mine
+    assert all("attend" not in b.attn.__dict__ for b in model.blocks[1:])
 
 
 def test_attention_reach_leaves_out_calls_on_gathered_tokens():

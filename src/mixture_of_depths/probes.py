@@ -99,44 +99,41 @@ def format_copy_probe(probe: dict[str, Any]) -> str:
 REACH_FAR = 32  # "far": at least this many places back (round 3: MoD's loss is flat from 32 on)
 
 
-def _active_queries(route_mask: Tensor | None, attn_mask: Tensor | None, T: int) -> Tensor | None:
-    """(B, T) bool: the queries whose output the layer keeps; None: every query. A routed
-    layer's route says; else an isolation mask (`routing.causal_attention_mask`) says which
-    tokens are keys for the later queries, and those are its takers."""
-    if route_mask is not None:
-        return route_mask.bool()
-    if attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.shape[-2] == T:
-        take = attn_mask[:, 0, -1, :].clone()  # the last query sees exactly the earlier takers
-        take[:, -1] = True  # (the diagonal is always open: the last token cannot be told)
-        return take
-    return None
+def attention_weights(q_HTd: Tensor, k_HTd: Tensor, mask_TT: Tensor | None) -> Tensor:
+    """(H, T, T) float64: the attention weights SDPA computes for one row (queries and keys in
+    their places, causal, under a boolean mask that says which keys a query may see; grouped
+    key heads shared as SDPA's `enable_gqa` shares them: query head h reads key head
+    h // (H / H_kv))."""
+    H, T, d = q_HTd.shape
+    keys = k_HTd.repeat_interleave(H // k_HTd.shape[0], dim=0)
+    scores = (q_HTd.double() @ keys.double().transpose(-1, -2)) / d**0.5
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q_HTd.device).tril()
+    if mask_TT is not None:
+        allowed = allowed & mask_TT.bool()
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 def _reach_of_call(
     q: Tensor, k: Tensor, attn_mask: Tensor | None, active: Tensor | None, far: int, T: int
 ) -> dict[str, Any] | None:
-    """One attention call's reach, row by row (a (T, T) map per head at a time): the mean
-    distance back of the attention weight and its share on keys `far` or more places back,
-    averaged over the active queries at places >= far (where far keys exist)."""
-    B, H, n_q, d = q.shape
+    """One attention call's reach, row by row: the mean distance back of the attention weight
+    and its share on keys `far` or more places back, averaged over the active queries at places
+    >= far (where far keys exist)."""
+    B, H, n_q, _ = q.shape
     if n_q != T or k.shape[-2] != T:  # a gathered subset (top-k) or a decode step: no places
         return None
     pos = torch.arange(T, device=q.device)
     back = (pos[:, None] - pos[None, :]).clamp(min=0).to(torch.float64)  # (T, T)
-    causal = pos[None, :] <= pos[:, None]
     dist_sum = torch.zeros(H, dtype=torch.float64)
     far_sum = torch.zeros(H, dtype=torch.float64)
     n = 0
     for b in range(B):
-        keys = k[b].repeat_interleave(H // k.shape[1], dim=0) if k.shape[1] != H else k[b]
-        scores = (q[b].double() @ keys.double().transpose(-1, -2)) / d**0.5  # (H, T, T)
-        allowed = causal if attn_mask is None else attn_mask[b, 0].bool() & causal
-        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         rows = pos >= far
         if active is not None:
             rows = rows & active[b].to(q.device)
         if not rows.any():
             continue
+        p = attention_weights(q[b], k[b], None if attn_mask is None else attn_mask[b, 0])
         p = p[:, rows]  # (H, n_b, T)
         dist_sum += (p * back[rows]).sum(-1).sum(-1).cpu()
         far_sum += (p * (back[rows] >= far)).sum(-1).sum(-1).cpu()
@@ -152,44 +149,60 @@ def _reach_of_call(
     }
 
 
+def _takers(model: MoDTransformer, routes: list, layer: int, call: int) -> Tensor | None:
+    """(B, T) bool: the queries of this call whose output the layer keeps (its takers), or None
+    for every query: a MoD routed layer's route (joint or attention); a recursive model's shared
+    layer, at application `call` (the recursion step), that step's route."""
+    cfg = model.config
+    if cfg.recursive:
+        if layer not in cfg.recursion_layers[1]:
+            return None
+        step = {r.layer: r.mask for r in routes if r.kind == "recursion"}
+        return step.get(call)  # step 0 and steps at capacity 1: every token
+    found = [r.mask for r in routes if r.layer == layer and r.kind in ("block", "attn")]
+    return found[0] if found else None
+
+
 @torch.no_grad()
 def attention_reach(
     model: MoDTransformer, idx: Tensor, far: int = REACH_FAR, routing: str = "causal"
 ) -> list[dict[str, Any]]:
     """How far back each attention call of one forward over `idx` (B, T) looks: per call, in
-    the order the forward makes them, its layer, whether the layer is routed, the queries it
-    was averaged over (a routed layer's takers; only places >= `far`), the mean distance back
+    the order the forward makes them, its layer and application (`call`: a recursive model's
+    shared layers once per step), whether its queries are routed, the queries it was averaged
+    over (a routed layer's or step's takers; only places >= `far`), the mean distance back
     of the attention weight (places), and the share of that weight on keys `far` or more
     places back (per head too). A model that has learned to look back puts weight far back;
     one that has not keeps it near. In causal routing every call sees the whole sequence in
     its places (top-k routing gathers the takers, whose places the call cannot see: those
     calls are left out)."""
     calls: list[tuple[int, Tensor, Tensor, Tensor | None]] = []
-    for i, block in enumerate(model.blocks):
-
-        def record(q, k, v, attn_mask, _i=i, _attend=block.attn.attend):  # noqa: ANN001
-            calls.append((_i, q, k, attn_mask))
-            return _attend(q, k, v, attn_mask)
-
-        block.attn.attend = record  # an instance attribute, shadowing the method
+    saved = [block.attn.__dict__.get("attend") for block in model.blocks]
     was_training = model.training
-    model.eval()
     try:
+        for i, block in enumerate(model.blocks):
+
+            def record(q, k, v, attn_mask, _i=i, _attend=block.attn.attend):  # noqa: ANN001
+                calls.append((_i, q, k, attn_mask))
+                return _attend(q, k, v, attn_mask)
+
+            block.attn.attend = record  # an instance attribute, shadowing the method
+        model.eval()
         out = model(idx, routing=routing)
     finally:
         model.train(was_training)
-        for block in model.blocks:
-            del block.attn.attend
-    routed = {r.layer: r.mask for r in out.routes if r.kind in ("block", "attn")}
+        for block, before in zip(model.blocks, saved, strict=True):
+            block.attn.__dict__.pop("attend", None)
+            if before is not None:
+                block.attn.attend = before
     result, seen = [], {}
     for layer, q, k, attn_mask in calls:
-        T = idx.shape[1]
-        active = _active_queries(routed.get(layer), attn_mask, T) if q.shape[-2] == T else None
-        reach = _reach_of_call(q, k, attn_mask, active, far, T)
         seen[layer] = seen.get(layer, -1) + 1
+        active = _takers(model, out.routes, layer, seen[layer])
+        reach = _reach_of_call(q, k, attn_mask, active, far, idx.shape[1])
         if reach is not None:
-            is_routed = layer in routed or active is not None
-            result.append({"layer": layer, "call": seen[layer], "routed": is_routed, **reach})
+            result.append({"layer": layer, "call": seen[layer], "routed": active is not None,
+                           **reach})  # fmt: skip
     return result
 
 

@@ -152,13 +152,14 @@ def _reach_section(reach: list[dict]) -> list[str]:
         "",
         "On the inspected text, causal routing; per attention call, averaged over the queries at "
         f"places >= {REACH_FAR} (a routed layer: its takers): the mean distance back of the "
-        f"attention weight, and its share on keys {REACH_FAR} or more places back.",
+        f"attention weight, and its share on keys {REACH_FAR} or more places back. A recursive "
+        "model's shared layers appear once per application (`layer.n`: its n-th after the first).",
         "",
         f"| layer | routed | queries | mean distance back | share >= {REACH_FAR} back | per head |",
         "|---|---|---|---|---|---|",
     ]
     for r in reach:
-        name = f"{r['layer']}" + (f" (call {r['call'] + 1})" if r["call"] else "")
+        name = f"{r['layer']}" + (f".{r['call']}" if r["call"] else "")
         if r["far_share"] is None:
             lines.append(f"| {name} | {'yes' if r['routed'] else 'no'} | 0 | | | |")
             continue
