@@ -19,9 +19,10 @@ def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid
     specs = mor.plan(mor.FULL)
     budgets = [sp.budget for sp in specs if sp.group == "isoflop"]
     assert budgets == sorted(budgets)
-    first_large = next(
-        i for i, sp in enumerate(specs) if sp.group == "isoflop" and sp.budget == 5e13
-    )
+    first_large = next(  # the 5e13 grid (its dense M run is the params pair's reference)
+        i for i, sp in enumerate(specs)
+        if sp.group == "isoflop" and sp.budget == 5e13 and sp.name != "5e13-dense-M-T256-s0"
+    )  # fmt: skip
     pairs = [i for i, sp in enumerate(specs) if sp.group in ("sharing", "params")]
     assert pairs and max(pairs) < first_large
     sizes = {sp.budget: set() for sp in specs}
@@ -39,8 +40,12 @@ def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid
             diff = {k for k in {*sp.model, *ref.model} if sp.model.get(k) != ref.model.get(k)}
             assert diff == {"recursion_sharing"} and sp.model["recursion_sharing"] == "cycle"
     names = [sp.name for sp in specs]
-    assert len(names) == len(set(names))
-    assert sum(n.endswith("-s1") for n in names) == len(mor.SHARING) * 2 + len(mor.PARAMS)
+    # each pair: both sides at one width with two seeds each, before the large grid; the
+    # reference side is the grid's own run (the same name: it trains once)
+    for ref in ("1.5e13-mor-er-S-T256", "1.5e13-mor-er-S-T1024", "5e13-dense-M-T256"):
+        assert {f"{ref}-s0", f"{ref}-s1"} <= set(names[:first_large])
+    assert {"5e13-p-mor-M-T256-s0", "5e13-p-mor-M-T256-s1"} <= set(names[:first_large])
+    assert len(set(names)) == len(names) - 3  # the three reference runs the grid plans again
 
 
 def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
@@ -55,8 +60,9 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     out, work = tmp_path / "mor", tmp_path / "work"
     results = runner.study(mor.PLAN, out, work, quick=True, data=str(corpus), progress=False)
     grid = [r for r in results if r["group"] == "isoflop"]
-    # the grid, the two pairs (two seeds each), the grid's second seeds
-    assert len(grid) == 3 and len(results) == 3 + 2 + 4 + 3
+    # the grid, the two pairs (two seeds a side; the reference's seed 0 is the grid's), the
+    # grid's second seeds (the references' among them)
+    assert len(grid) == 3 and len(results) == 3 + 2 + 2 + 3
     for r in results:
         cfg = MoDConfig(**r["model"])
         step = estimate_flops(cfg, r["seq_len"], r["batch_size"]).train
@@ -98,9 +104,10 @@ def test_each_length_gets_its_second_seeds_before_the_next_lengths_grid(tmp_path
     monkeypatch.setattr(mor, "write_report", lambda *a, **k: None)
     runner.study(mor.PLAN, tmp_path / "out", tmp_path / "work", progress=False)
     first = [n for n in order if n.startswith("1.5e13")]
+    pairs = {sp.name for sp in mor.plan(mor.FULL) if sp.name.endswith("-s1")}  # the pairs' only
     grid_1024 = [i for i, n in enumerate(order) if n.startswith("1.5e13") and "T1024-s0" in n]
     seeds_256 = [i for i, n in enumerate(order) if "T256-s1" in n and n.startswith("1.5e13")]
-    seeds_256 = [i for i in seeds_256 if "-mor-ec-" not in order[i]]  # the pair's own seeds
+    seeds_256 = [i for i in seeds_256 if order[i] not in pairs]
     assert seeds_256 and max(seeds_256) < min(grid_1024)
     assert len(seeds_256) == len(mor.ARMS) and len(order) == len(set(order))
     assert first == order[: len(first)]  # the small budget, its seeds and pair, before 5e13

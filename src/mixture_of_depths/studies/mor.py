@@ -56,24 +56,26 @@ ARMS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDCo
     ("MoR token, shared KV", "mor-ts", dict(TOKEN, recursion_kv="share")),
 )
 # Sharing: MoR expert choice with recursion KV as in ARMS, all 4 unique layers cycled instead of
-# middle-cycle (the same unique parameters and step capacities), at the first width and budget
-SHARING: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("MoR expert, recursion KV, cycle sharing", "mor-ec", dict(MOR, recursion_sharing="cycle")),
+# middle-cycle (the same unique parameters and step capacities), judged against the grid's
+# middle-cycle arm (tag "mor-er") at the same width, smallest budget, both lengths
+SHARING = (
+    "MoR expert, recursion KV, cycle sharing",
+    "mor-ec",
+    dict(MOR, recursion_sharing="cycle"),
 )
-# Equal unique parameters: the vanilla model, and a third of its unique layers recursed
-PARAMS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("vanilla, 6 layers", "p-vanilla", dict(layer_pattern="D", n_layers=6)),
-    (
-        "MoR, 2 unique layers x 3",
-        "p-mor",
-        dict(
-            layer_pattern="D",
-            n_layers=2,
-            recursions=3,
-            recursion_sharing="cycle",
-            recursion_capacities=(0.5, 0.25),
-        ),
-    ),  # fmt: skip
+# Equal unique parameters: a third of the vanilla 6-layer model's unique layers (2, all shared,
+# applied 3 times, expert choice), judged against the grid's dense model (tag "dense", the
+# vanilla model) at the same width, largest budget, first length
+PARAMS = (
+    "MoR, 2 unique layers x 3",
+    "p-mor",
+    dict(
+        layer_pattern="D",
+        n_layers=2,
+        recursions=3,
+        recursion_sharing="cycle",
+        recursion_capacities=(0.5, 0.25),
+    ),
 )
 SHARING_SIZE, PARAMS_SIZE = "S", "M"  # the pairs' widths (a quick run: its one width)
 LENGTHS = ((256, 16), (1024, 4))  # (sequence length, batch size): 4096 tokens a step
@@ -114,24 +116,27 @@ def _lengths(settings: StudySettings) -> tuple[tuple[int, int], ...]:
     return LENGTHS
 
 
-def _pairs(
-    arms: tuple[tuple[str, str, dict[str, Any]], ...],
+def _pair(
+    arm: tuple[str, str, dict[str, Any]],
+    ref_tag: str,
     group: str,
     settings: StudySettings,
     b: float,
     lengths: tuple[tuple[int, int], ...],
     size: str,
-    sizes: dict[str, dict[str, Any]],
+    grid: dict[str, RunSpec],
 ) -> list[RunSpec]:
-    """Each arm at budget `b`, width `size`, each length, seeds 0 and 1 (a group apart from the
-    grid, judged on its own)."""
+    """`arm` at budget `b`, width `size`, each length, seeds 0 and 1; beside it the grid's run
+    of the arm it is judged against (`ref_tag`) at the same width and budget, and that run's
+    second seed (a run the grid or its seeds also plan trains once: the names are the same)."""
+    label, tag, over = arm
     runs = []
     for T, bs in lengths:
-        for label, tag, over in arms:
-            model = {**settings.base, **sizes[size], **over}
-            name = f"{budget_tag(b)}-{tag}-{size}-T{T}-s0"
-            spec = RunSpec(name, group, label, b, model, seq_len=T, batch_size=bs)
-            runs += [spec, second_seed(spec.__dict__)]
+        model = {**settings.base, **dict(settings.sizes)[size], **over}
+        name = f"{budget_tag(b)}-{tag}-{size}-T{T}-s0"
+        spec = RunSpec(name, group, label, b, model, seq_len=T, batch_size=bs)
+        ref = grid[f"{budget_tag(b)}-{ref_tag}-{size}-T{T}-s0"]
+        runs += [spec, second_seed(spec.__dict__), ref, second_seed(ref.__dict__)]
     return runs
 
 
@@ -161,8 +166,9 @@ def plan(settings: StudySettings) -> list[RunSpec]:
     first, last = min(settings.budgets), max(settings.budgets)
     sizes = dict(settings.sizes)
     pick = lambda size: size if size in sizes else settings.sizes[0][0]  # noqa: E731
-    extra = _pairs(SHARING, "sharing", settings, first, lengths, pick(SHARING_SIZE), sizes)
-    extra += _pairs(PARAMS, "params", settings, last, lengths[:1], pick(PARAMS_SIZE), sizes)
+    named = {spec.name: spec for grid in grids for spec in grid}
+    extra = _pair(SHARING, "mor-er", "sharing", settings, first, lengths, pick(SHARING_SIZE), named)
+    extra += _pair(PARAMS, "dense", "params", settings, last, lengths[:1], pick(PARAMS_SIZE), named)
     return grids[0] + extra + [spec for grid in grids[1:] for spec in grid]
 
 
@@ -260,8 +266,8 @@ CLAIMS: tuple[tuple[str, str | None, str, str | None], ...] = (
      "MoR expert, recursion KV", "MoR expert, shared KV", None),
     ("Recursive KV sharing helps token choice", "MoR token, shared KV", "MoR token, recursion KV",
      None),
-    ("With a third of the unique parameters, MoR matches or beats the vanilla model",
-     "MoR, 2 unique layers x 3", "vanilla, 6 layers", None),
+    ("With a third of the unique parameters, MoR matches or beats the vanilla model (dense, "
+     "6 layers, width M)", "MoR, 2 unique layers x 3", "dense", "M"),
     ("Middle-cycle sharing beats cycle sharing (same unique layers and capacities, width S)",
      "MoR expert, recursion KV", "MoR expert, recursion KV, cycle sharing", "S"),
     ("MoR decodes faster than the vanilla model (paper: up to 2.06x throughput)", "speed",
@@ -281,8 +287,8 @@ def claim_rows(
             continue
         sides = SPEED if better == "speed" else (better, worse)
         where = sorted({(b, T) for b, T, label in c if label in sides})
-        if size is not None:  # only where the side tried at this width alone ran
-            where = [(b, T) for b, T in where if (b, T, worse) in c]
+        if size is not None:  # a pair at one width: where both sides ran at it
+            where = [(b, T) for b, T in where if (b, T, better) in c and (b, T, worse) in c]
         for b, T in where:
             verdict = _speed_verdict(c, b, T) if better == "speed" else _verdict(c, *sides, b, T)
             rows.append((text, f"{b:.1e} FLOPs, T={T}", verdict))
@@ -371,7 +377,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     c = cells([r for r in results if r["group"] in ("isoflop", "seed")])
     lengths = sorted({T for _, T, _ in c})
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(lengths) + 1, figsize=(5 * (len(lengths) + 1), 4.2), dpi=110)
+    fig, axes = plt.subplots(
+        1, len(lengths) + 1, figsize=(5 * (len(lengths) + 1), 4.2), dpi=110, squeeze=False
+    )
+    axes = axes[0]
     labels = [label for label, _, _ in ARMS]
     for ax, T in zip(axes, lengths, strict=False):
         for i, label in enumerate(labels):
@@ -417,6 +426,8 @@ def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | No
         kept = {n: work / n / CHECKPOINT_NAME for n in names if has_checkpoint(work / n)}
         if not kept or all(n in done for n in kept):
             continue
+        for name in sorted(set(names) - set(kept) - done):  # trained before checkpoints were kept
+            print(f"decode speed: no checkpoint kept for {name}: not timed (retrain it to time it)")
         print(f"decode speed: budget {b:.1e}, T={T}, {len(kept)} models side by side")
         ckpts = {n: resolve_checkpoint(p) for n, p in kept.items()}
         speeds = decode_speeds(ckpts, T, data)
