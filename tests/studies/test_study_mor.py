@@ -29,7 +29,7 @@ def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid
     for sp in specs:
         if sp.group == "isoflop":
             sizes[sp.budget].add(mor.size_of(sp.__dict__))
-    assert sizes == {1.5e13: {"XS", "S"}, 5e13: {"S", "M"}}
+    assert sizes == {1.5e13: {"XXS", "XS", "S"}, 5e13: {"XS", "S"}}
     for sp in specs:  # cycle sharing: the middle-cycle grid arm of its width, cycled
         if sp.group == "sharing":
             ref = next(
@@ -45,7 +45,9 @@ def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid
     for ref in ("1.5e13-mor-er-S-T256", "1.5e13-mor-er-S-T1024", "5e13-dense-M-T256"):
         assert {f"{ref}-s0", f"{ref}-s1"} <= set(names[:first_large])
     assert {"5e13-p-mor-M-T256-s0", "5e13-p-mor-M-T256-s1"} <= set(names[:first_large])
-    assert len(set(names)) == len(names) - 3  # the three reference runs the grid plans again
+    assert len(set(names)) == len(names) - 2  # the reference runs the grid plans again
+    dense_m = next(sp for sp in specs if sp.name == "5e13-dense-M-T256-s0")  # not in the grid
+    assert dense_m.label == "dense" and MoDConfig(**dense_m.model).d_model == 128
 
 
 def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(

@@ -2,7 +2,7 @@
 same code, at equal training FLOPs; and MoR's headline at equal unique parameters.
 
 Arms on BPE text at 256 and 1024 tokens of context (the same tokens a step), to two
-training-FLOP budgets, at widths XS and S at the smaller budget and S and M at the larger:
+training-FLOP budgets, at widths XXS, XS and S at the smaller budget and XS and S at the larger:
 dense (6 layers); MoD (6 layers, every other block routed at 12.5%); the plain recursive model
 (4 unique layers, the middle two applied 3 times, every token every step: no router); MoR with
 expert choice (steps at 25% and 12.5%) and token choice, each with recursion-wise KV caching
@@ -83,13 +83,15 @@ LENGTHS = ((256, 16), (1024, 4))  # (sequence length, batch size): 4096 tokens a
 FULL = StudySettings(
     budgets=(1.5e13, 5e13),
     sizes=(
+        ("XXS", dict(d_model=48, n_heads=3)),
         ("XS", dict(d_model=64, n_heads=4)),
         ("S", dict(d_model=96, n_heads=4)),
         ("M", dict(d_model=128, n_heads=4)),
     ),
-    # S beat M at 1.5e13 for the first three arms: the small budget tries XS and S (the three
-    # M runs done before stay in the results), the larger one S and M (CPU time: ~100 runs)
-    skip=((1.5e13, ("M",)), (5e13, ("XS",))),
+    # S beat M at 1.5e13 for the first three arms, then XS beat S: the small budget tries XXS,
+    # XS and S (the three M runs done before stay in the results), the larger XS and S; M
+    # trains only as the params pair's width (CPU time: each run is 15-60 minutes)
+    skip=((1.5e13, ("M",)), (5e13, ("XXS", "M"))),
     seq_len=256,
     batch_size=16,
     eval_every_runs=2,
@@ -135,7 +137,12 @@ def _pair(
         model = {**settings.base, **dict(settings.sizes)[size], **over}
         name = f"{budget_tag(b)}-{tag}-{size}-T{T}-s0"
         spec = RunSpec(name, group, label, b, model, seq_len=T, batch_size=bs)
-        ref = grid[f"{budget_tag(b)}-{ref_tag}-{size}-T{T}-s0"]
+        ref_name = f"{budget_tag(b)}-{ref_tag}-{size}-T{T}-s0"
+        ref = grid.get(ref_name)
+        if ref is None:  # a width the grid does not try at this budget: the pair's own run
+            ref_label, _, ref_over = next(a for a in ARMS if a[1] == ref_tag)
+            ref_model = {**settings.base, **dict(settings.sizes)[size], **ref_over}
+            ref = RunSpec(ref_name, group, ref_label, b, ref_model, seq_len=T, batch_size=bs)
         runs += [spec, second_seed(spec.__dict__), ref, second_seed(ref.__dict__)]
     return runs
 
