@@ -29,7 +29,7 @@ def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid
     for sp in specs:
         if sp.group == "isoflop":
             sizes[sp.budget].add(mor.size_of(sp.__dict__))
-    assert sizes == {1.5e13: {"XXS", "XS", "S"}, 5e13: {"XS", "S"}}
+    assert sizes == {1.5e13: {"XXXS", "XXS", "XS"}, 5e13: {"XS", "S"}}
     for sp in specs:  # cycle sharing: the middle-cycle grid arm of its width, cycled
         if sp.group == "sharing":
             ref = next(
@@ -42,7 +42,7 @@ def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid
     names = [sp.name for sp in specs]
     # each pair: both sides at one width with two seeds each, before the large grid; the
     # reference side is the grid's own run (the same name: it trains once)
-    for ref in ("1.5e13-mor-er-S-T256", "1.5e13-mor-er-S-T1024", "5e13-dense-M-T256"):
+    for ref in ("1.5e13-mor-er-XS-T256", "1.5e13-mor-er-XS-T1024", "5e13-dense-M-T256"):
         assert {f"{ref}-s0", f"{ref}-s1"} <= set(names[:first_large])
     assert {"5e13-p-mor-M-T256-s0", "5e13-p-mor-M-T256-s1"} <= set(names[:first_large])
     assert len(set(names)) == len(names) - 2  # the reference runs the grid plans again

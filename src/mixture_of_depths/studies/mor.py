@@ -2,13 +2,13 @@
 same code, at equal training FLOPs; and MoR's headline at equal unique parameters.
 
 Arms on BPE text at 256 and 1024 tokens of context (the same tokens a step), to two
-training-FLOP budgets, at widths XXS, XS and S at the smaller budget and XS and S at the larger:
+training-FLOP budgets, at widths XXXS, XXS and XS at the smaller budget and XS and S at the larger:
 dense (6 layers); MoD (6 layers, every other block routed at 12.5%); the plain recursive model
 (4 unique layers, the middle two applied 3 times, every token every step: no router); MoR with
 expert choice (steps at 25% and 12.5%) and token choice, each with recursion-wise KV caching
 and with recursive KV sharing. A second seed trains at each arm's best width per budget and
 length. Apart from the grid, two pairs with two seeds each:
-"sharing", MoR expert choice with all 4 unique layers cycled against middle-cycle, at width S
+"sharing", MoR expert choice with all 4 unique layers cycled against middle-cycle, at width XS
 and the smaller budget; "params", the vanilla 6-layer model against a recursive one with a third of
 its unique layers (2 layers, all shared, applied 3 times, expert choice), at the larger budget.
 
@@ -77,21 +77,23 @@ PARAMS = (
         recursion_capacities=(0.5, 0.25),
     ),
 )
-SHARING_SIZE, PARAMS_SIZE = "S", "M"  # the pairs' widths (a quick run: its one width)
+SHARING_SIZE, PARAMS_SIZE = "XS", "M"  # the pairs' widths (a quick run: its one width)
 LENGTHS = ((256, 16), (1024, 4))  # (sequence length, batch size): 4096 tokens a step
 
 FULL = StudySettings(
     budgets=(1.5e13, 5e13),
     sizes=(
+        ("XXXS", dict(d_model=32, n_heads=2)),
         ("XXS", dict(d_model=48, n_heads=3)),
         ("XS", dict(d_model=64, n_heads=4)),
         ("S", dict(d_model=96, n_heads=4)),
         ("M", dict(d_model=128, n_heads=4)),
     ),
-    # S beat M at 1.5e13 for the first three arms, then XS beat S: the small budget tries XXS,
-    # XS and S (the three M runs done before stay in the results), the larger XS and S; M
-    # trains only as the params pair's width (CPU time: each run is 15-60 minutes)
-    skip=((1.5e13, ("M",)), (5e13, ("XXS", "M"))),
+    # At 1.5e13 the best width kept moving down (S beat M for the first arms, then XS beat S,
+    # then XXS beat XS): the small budget tries XXXS, XXS and XS (the S and M runs done before
+    # stay in the results), the larger XS and S; M trains only as the params pair's width
+    # (CPU time: each run is 15-60 minutes)
+    skip=((1.5e13, ("S", "M")), (5e13, ("XXXS", "XXS", "M"))),
     seq_len=256,
     batch_size=16,
     eval_every_runs=2,
@@ -149,7 +151,7 @@ def _pair(
 
 def plan(settings: StudySettings) -> list[RunSpec]:
     """Every arm at every width, length and budget, the smallest budget first (each length's
-    second seeds join when its grid is done, `runner.study`); then the sharing pair (width S,
+    second seeds join when its grid is done, `runner.study`); then the sharing pair (width XS,
     smallest budget) and the equal-parameter pair (width M, largest budget, first length)
     before the larger budget's grid, so that each claim has its runs early."""
     grids = [
@@ -275,8 +277,8 @@ CLAIMS: tuple[tuple[str, str | None, str, str | None], ...] = (
      None),
     ("With a third of the unique parameters, MoR matches or beats the vanilla model (dense, "
      "6 layers, width M)", "MoR, 2 unique layers x 3", "dense", "M"),
-    ("Middle-cycle sharing beats cycle sharing (same unique layers and capacities, width S)",
-     "MoR expert, recursion KV", "MoR expert, recursion KV, cycle sharing", "S"),
+    ("Middle-cycle sharing beats cycle sharing (same unique layers and capacities, width XS)",
+     "MoR expert, recursion KV", "MoR expert, recursion KV, cycle sharing", "XS"),
     ("MoR decodes faster than the vanilla model (paper: up to 2.06x throughput)", "speed",
      "dense", None),
 )  # fmt: skip
