@@ -93,7 +93,9 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     assert "Not run yet." in (tmp_path / "empty" / "report.md").read_text()
 
 
-def test_each_length_gets_its_second_seeds_before_the_next_lengths_grid(tmp_path, monkeypatch):
+def test_each_length_gets_its_second_seeds_before_the_next_lengths_grid(
+    tmp_path, monkeypatch, capsys
+):
     order = []
 
     def fake(spec, *a, **kw):  # a row as run_one writes it, without training
@@ -113,3 +115,5 @@ def test_each_length_gets_its_second_seeds_before_the_next_lengths_grid(tmp_path
     assert seeds_256 and max(seeds_256) < min(grid_1024)
     assert len(seeds_256) == len(mor.ARMS) and len(order) == len(set(order))
     assert first == order[: len(first)]  # the small budget, its seeds and pair, before 5e13
+    logged = [ln for ln in capsys.readouterr().out.splitlines() if ": causal loss " in ln]
+    assert [ln.split(":")[0] for ln in logged] == order  # without a bar, a line per run

@@ -96,8 +96,9 @@ def run(
                 results[:] = load_results(results_path)
                 study.report(results, out, s)
             bar.update(1)
-            if worker is not None:
-                print(f"[worker {worker}] {row['name']}: causal loss "
+            if worker is not None or not progress:  # where no bar shows it
+                who = "" if worker is None else f"[worker {worker}] "
+                print(f"{who}{row['name']}: causal loss "
                       f"{row['val_loss_causal']:.4f}", flush=True)  # fmt: skip
             if folder is not None:  # trained here, not reused
                 new += 1

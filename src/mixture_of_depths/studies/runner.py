@@ -343,6 +343,9 @@ def study(
             results.append(row)
             done.add(spec.name)
             bar.update(1)
+            if not progress:  # a log line per run where no bar shows it (a background study)
+                print(f"{spec.name}: causal loss {row['val_loss_causal']:.4f} "
+                      f"({len(done)} runs done)", flush=True)  # fmt: skip
             plan.report(results, out, settings)
             if not keep_checkpoints and plan.finish is None:
                 shutil.rmtree(work / spec.name, ignore_errors=True)
