@@ -261,8 +261,9 @@ def _speed_verdict(c: dict, b: float, T: int) -> str:
 
 # The claims with a speed verdict: MoR (expert, recursion KV) against dense
 SPEED = ("MoR expert, recursion KV", "dense")
-# (claim, the side the paper says is better, the other side, the width compared or None for
-# each side's best); better None: not testable here, and why
+# (claim, the side the paper says is better, the other side, the width compared: None for
+# each side's best, "pair" for the width the pair's own side trained at); better None: not
+# testable here, and why
 CLAIMS: tuple[tuple[str, str | None, str, str | None], ...] = (
     ("MoR (expert choice) reaches a lower loss than the vanilla Transformer at equal training "
      "FLOPs, with fewer unique parameters", "MoR expert, recursion KV", "dense", None),
@@ -276,9 +277,9 @@ CLAIMS: tuple[tuple[str, str | None, str, str | None], ...] = (
     ("Recursive KV sharing helps token choice", "MoR token, shared KV", "MoR token, recursion KV",
      None),
     ("With a third of the unique parameters, MoR matches or beats the vanilla model (dense, "
-     "6 layers, width M)", "MoR, 2 unique layers x 3", "dense", "M"),
-    ("Middle-cycle sharing beats cycle sharing (same unique layers and capacities, width XS)",
-     "MoR expert, recursion KV", "MoR expert, recursion KV, cycle sharing", "XS"),
+     "6 layers, at the pair's width)", "MoR, 2 unique layers x 3", "dense", "pair"),
+    ("Middle-cycle sharing beats cycle sharing (same unique layers and capacities, at the pair's "
+     "width)", "MoR expert, recursion KV", "MoR expert, recursion KV, cycle sharing", "pair"),
     ("MoR decodes faster than the vanilla model (paper: up to 2.06x throughput)", "speed",
      "dense", None),
 )  # fmt: skip
@@ -289,7 +290,14 @@ def claim_rows(
 ) -> list[tuple[str, str, str]]:
     """(claim, where, verdict) per claim and each (budget, length) where either side ran."""
     rows = []
+    grid_labels = {label for label, _, _ in ARMS}
     for text, better, worse, size in CLAIMS:
+        if size == "pair":  # the width the pair's own side (not a grid arm) trained at
+            own = worse if better in grid_labels else better
+            size = next((size_of(r) for r in results if r["label"] == own), None)
+            if size is None:
+                rows.append((text, "-", "not run yet"))
+                continue
         c = cells(results, size, decode)
         if better is None:
             rows.append((text, "-", f"not testable here: {worse}"))
