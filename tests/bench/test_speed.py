@@ -28,6 +28,7 @@ def small_config(**over) -> MoDConfig:
     return MoDConfig(**{**base, **over})
 
 
+@pytest.mark.slow
 def test_compiled_fullgraph_equals_eager():
     """The top-k model compiles as one graph (no breaks: no host sync, no data-dependent Python)
     and the compiled forward and gradients equal eager ones."""

@@ -143,6 +143,7 @@ def shard_files(ckpt: Path) -> list[str]:
     return sorted(f.name for f in (ckpt / "shards").iterdir())
 
 
+@pytest.mark.slow
 def test_fsdp_equals_one_process_a_rank_killed_mid_save_keeps_the_last_checkpoint_and_it_resumes_on_1_and_3_ranks(  # noqa: E501
     corpus, tmp_path, env, reference
 ):
@@ -241,6 +242,7 @@ def test_global_batch_must_split_over_ranks_and_micro_batches(corpus, tmp_path, 
     assert "batch_size 6 (the global batch) must split evenly" in proc.stderr
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_from_its_last_checkpoint_and_ends_as_uninterrupted(
     corpus, tmp_path, env
 ):
