@@ -315,7 +315,7 @@ def _recursion_row(
         else:
             w = _w(rec.router[str(r)])[0]
             logits = [float(x @ w) for x in xs]
-            k = capacity_tokens(cfg.recursion_capacities[r - 1], T)
+            k = capacity_tokens(cfg.recursion_capacity(r), T)
             cand = [logits[t] if t in topk_active else -math.inf for t in range(T)]
             top = topk_set(cand, k)
             pl = (

@@ -64,7 +64,7 @@ def test_exact_k_per_row_and_each_step_a_subset_of_the_last(T):
         prev = torch.ones(3, T, dtype=torch.bool)
         for r, route in zip((1, 2, 3), routes, strict=True):
             if routing == "topk":
-                k = capacity_tokens(cfg.recursion_capacities[r - 1], T)
+                k = capacity_tokens(cfg.recursion_capacity(r), T)
                 assert route.mask.sum(1).tolist() == [k] * 3
             assert not (route.mask & ~prev).any()
             prev = route.mask
@@ -179,9 +179,11 @@ def test_token_choice_balancing_loss_is_one_when_the_depths_are_even():
     "over, message",
     [
         (dict(layer_pattern="DR"), "layer_pattern='DR' with recursions=3"),
-        (dict(recursion_capacities=(0.5,)), "give 2 shares in (0, 1], non-increasing"),
+        (dict(recursion_capacities=(0.5,)), "give 3 shares in (0, 1], non-increasing"),
         (dict(recursion_capacities=(0.25, 0.5)), "non-increasing"),
-        (dict(recursion_capacities=(0.0, 0.0)), "give 2 shares"),
+        (dict(recursion_capacities=(0.0, 0.0)), "give 3 shares"),
+        (dict(recursion_capacities=(0.5, 0.25, 0.125)), "the first 1.0"),
+        (dict(recursion_capacities=(1.0, 0.5, 0.25, 0.125)), "or the 2 routed steps' alone"),
         (dict(recursion_router="token"), "is for recursion_router='expert'"),
         (dict(n_layers=2), "needs n_layers >= 3"),
         (
@@ -201,7 +203,11 @@ def test_bad_recursion_configs_are_refused_clearly(over, message):
 
 def test_defaults_json_round_trip_and_the_preset():
     cfg = mor_config(recursion_capacities=None, recursions=4)
-    assert cfg.recursion_capacities == (0.5, 0.25, 0.125)
+    assert cfg.recursion_capacities == (1.0, 0.5, 0.25, 0.125)
+    # one share per step (the first 1.0), or the routed steps' alone: the same model
+    assert mor_config(recursion_capacities=(0.5, 0.25, 0.125), recursions=4) == cfg
+    assert cfg.recursion_routed_steps == [1, 2, 3]
+    assert [cfg.recursion_tokens(r, 16) for r in range(4)] == [16, 8, 4, 2]
     assert MoDConfig.from_json(cfg.to_json()) == cfg
     small, mor = MoDConfig.preset("small"), MoDConfig.preset("small-mor")
     assert mor.recursive and not mor.is_dense and mor.d_model == small.d_model

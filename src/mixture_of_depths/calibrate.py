@@ -68,7 +68,7 @@ def targets(cfg: MoDConfig, take: float | None = None) -> list[float]:
     if take is not None:
         return [take] * cfg.n_routers
     if cfg.recursive:
-        return [cfg.recursion_capacities[r - 1] for r in cfg.recursion_routed_steps]
+        return [cfg.recursion_capacity(r) for r in cfg.recursion_routed_steps]
     return [cfg.capacity] * cfg.n_routers
 
 

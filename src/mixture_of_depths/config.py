@@ -158,12 +158,13 @@ class MoDConfig:
     moe_z_loss_weight: float = 1e-3  # ST-MoE's router z-loss
     # Mixture-of-Recursions (docs/mor.md). `recursions` N_r > 1 applies the shared layers N_r
     # times: "middle_cycle" shares layers 1..n-2 (the first and last unique), "cycle" all n.
-    # `n_layers` counts unique layers. Every token takes the first pass; each later step r is
-    # routed: "expert" keeps the top `recursion_capacities[r - 1]` share of the sequence among
-    # the tokens still active (None: 1/2, 1/4, ...; a step at 1.0 has no router), "token" gives
-    # each token its number of passes up front (one router, a balancing loss). "recursion": a
-    # step's attention runs among its tokens, caching theirs; "share": later steps read the
-    # first pass's keys and values of every token and cache nothing.
+    # `n_layers` counts unique layers. `recursion_capacities`: one share of the sequence per
+    # recursion step, non-increasing, the first 1.0 (every token takes the first pass), e.g.
+    # (1.0, 0.5, 0.25); the N_r - 1 routed steps' alone are accepted too. "expert" keeps step r's
+    # top share among the tokens still active (None: 1, 1/2, 1/4, ...; a step at 1.0 has no
+    # router), "token" gives each token its number of passes up front (one router, a balancing
+    # loss). "recursion": a step's attention runs among its tokens, caching theirs; "share":
+    # later steps read the first pass's keys and values of every token and cache nothing.
     recursions: int = 1
     recursion_sharing: str = "middle_cycle"
     recursion_capacities: tuple[float, ...] | None = None
@@ -313,7 +314,7 @@ class MoDConfig:
                 f"first and last layers unique, at least one shared), got {self.n_layers}"
             )
         caps = self.recursion_capacities
-        n = self.recursions - 1  # the routed steps: every token takes the first pass
+        n = self.recursions - 1  # the steps after the first, which can be routed
         if self.recursion_router == "token":
             if caps is not None:
                 raise ValueError(
@@ -322,16 +323,25 @@ class MoDConfig:
                 )
             return
         if caps is None:
-            caps = tuple(0.5**r for r in range(1, n + 1))
+            caps = tuple(0.5**r for r in range(n + 1))
         try:
             caps = tuple(float(c) for c in caps)
         except (TypeError, ValueError):
             caps = ()
-        if len(caps) != n or not all(0 < c <= 1 for c in caps) or list(caps) != sorted(caps)[::-1]:
+        if len(caps) == n:  # the routed steps' shares alone: the first pass is every token's
+            caps = (1.0, *caps)
+        if (
+            len(caps) != n + 1
+            or caps[0] != 1.0
+            or not all(0 < c <= 1 for c in caps)
+            or list(caps) != sorted(caps)[::-1]
+        ):
+            example = ", ".join(f"{0.5**r:g}" for r in range(n + 1))
             raise ValueError(
-                f"recursion_capacities={self.recursion_capacities!r}: give {n} shares in (0, 1], "
-                f"non-increasing, one per routed step (recursions={self.recursions}; every token "
-                "takes the first pass)"
+                f"recursion_capacities={self.recursion_capacities!r}: give {n + 1} shares in "
+                f"(0, 1], non-increasing, one per recursion step, the first 1.0 (every token "
+                f"takes the first pass), e.g. ({example}), or the {n} routed steps' alone "
+                f"(recursions={self.recursions})"
             )
         object.__setattr__(self, "recursion_capacities", caps)
 
@@ -347,13 +357,17 @@ class MoDConfig:
             return []
         if self.recursion_router == "token":
             return list(range(1, self.recursions))
-        return [r for r, c in enumerate(self.recursion_capacities, 1) if c < 1]
+        return [r for r, c in enumerate(self.recursion_capacities) if c < 1]
+
+    def recursion_capacity(self, step: int) -> float:
+        """Expert choice: the share of the sequence that takes recursion step `step` (0: 1.0)."""
+        return self.recursion_capacities[step]
 
     def recursion_tokens(self, step: int, seq_len: Any) -> Any:
         """Expert choice: the tokens per row of `seq_len` that take recursion step `step`."""
         if step == 0:
             return seq_len
-        return capacity_tokens(self.recursion_capacities[step - 1], seq_len)
+        return capacity_tokens(self.recursion_capacity(step), seq_len)
 
     @property
     def recursion_layers(self) -> tuple[list[int], list[int], list[int]]:
@@ -391,7 +405,7 @@ class MoDConfig:
             return 0.0
         if self.recursion_router == "token":  # balanced: a share (N_r - r) / N_r of tokens
             return (self.recursions - step) / self.recursions
-        return self.recursion_capacities[step - 1]
+        return self.recursion_capacity(step)
 
     @property
     def n_routers(self) -> int:

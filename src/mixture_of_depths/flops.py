@@ -134,7 +134,7 @@ def _take_rates(cfg: MoDConfig, take_rate: float | list[float] | None) -> list[f
     n_routed = len(cfg.recursion_routed_steps or cfg.routed_layers)
     if cfg.recursive and take_rate is None:  # each step's capacity (token choice: balanced)
         n, caps = cfg.recursions, cfg.recursion_capacities
-        return [(n - r) / n if caps is None else caps[r - 1] for r in cfg.recursion_routed_steps]
+        return [(n - r) / n if caps is None else caps[r] for r in cfg.recursion_routed_steps]
     if take_rate is None:
         takes = [cfg.capacity] * n_routed
     elif isinstance(take_rate, int | float):
@@ -376,7 +376,7 @@ def _recursion_line(cfg: MoDConfig) -> str:
     steps = "token choice" if caps is None else ", ".join(f"{c:.1%}" for c in caps)
     return (
         f"; recursions {cfg.recursions} ({cfg.recursion_sharing}, recursion_kv "
-        f"{cfg.recursion_kv}), steps after the first: {steps}; kind r<step>: a routed step"
+        f"{cfg.recursion_kv}), step capacities: {steps}; kind r<step>: a routed step"
     )
 
 

@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_pattern": "D",
         "n_layers": 4,
         "recursions": 3,
-        "recursion_capacities": (0.25, 0.125),
+        "recursion_capacities": (1.0, 0.25, 0.125),
     },  # fmt: skip
     "base": {**_BASE, "layer_pattern": "DR"},
     "base-dense": {**_BASE, "layer_pattern": "D"},

@@ -8,7 +8,7 @@ first pass (step 0). A later step r runs the shared layers on the tokens still a
 leaving the step as ``x + g * (stack(x) - x)``; every other token leaves it bit for bit.
 
 - ``recursion_router="expert"``: step r's router (``r = x @ w``, read at the step's input)
-  keeps the top ``capacity_tokens(recursion_capacities[r - 1], T)`` of the tokens active at
+  keeps the top ``capacity_tokens(recursion_capacities[r], T)`` of the tokens active at
   r - 1, so each step's tokens are a subset of the last's; the gate is MoD's `routing.gate`;
   causally a token continues iff it was active and its decision logit (router or predictor)
   beats the step's threshold, trained towards the nested top-k by the aux loss.

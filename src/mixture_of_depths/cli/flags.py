@@ -76,7 +76,7 @@ def add_dataclass_flags(
                 default=None,
                 help=f"(default: {default})",
             )
-        elif typing.get_origin(typ) is tuple:  # e.g. recursion_capacities: 0.25,0.125
+        elif typing.get_origin(typ) is tuple:  # e.g. recursion_capacities: 1,0.25,0.125
             parser.add_argument(
                 flag,
                 type=comma_floats,

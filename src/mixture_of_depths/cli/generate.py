@@ -186,7 +186,7 @@ def _stream_routing(
     out.write(f"routed blocks taken per token (of {len(names)}): {legend}\n")
     cfg = model.config
     capacity = (  # a recursion step's own share of all tokens, or MoD's one capacity
-        "step capacities " + ", ".join(f"{cfg.recursion_capacities[r - 1]:.1%}"
+        "step capacities " + ", ".join(f"{cfg.recursion_capacity(r):.1%}"
                                        for r in cfg.recursion_routed_steps)
         if cfg.recursive
         else f"capacity {cfg.capacity:.1%}"
