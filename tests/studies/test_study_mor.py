@@ -29,7 +29,7 @@ def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid
     for sp in specs:
         if sp.group == "isoflop":
             sizes[sp.budget].add(mor.size_of(sp.__dict__))
-    assert sizes == {1.5e13: {"XXXS", "XXS", "XS"}, 5e13: {"XS", "S"}}
+    assert sizes == {1.5e13: {"XXXS", "XXS", "XS"}, 5e13: {"XXS", "XS"}}
     for sp in specs:  # cycle sharing: the middle-cycle grid arm of its width, cycled
         if sp.group == "sharing":
             ref = next(

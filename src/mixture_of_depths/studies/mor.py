@@ -2,7 +2,7 @@
 same code, at equal training FLOPs; and MoR's headline at equal unique parameters.
 
 Arms on BPE text at 256 and 1024 tokens of context (the same tokens a step), to two
-training-FLOP budgets, at widths XXXS, XXS and XS at the smaller budget and XS and S at the larger:
+training-FLOP budgets, at widths XXXS, XXS and XS at the smaller budget and XXS and XS at the larger:
 dense (6 layers); MoD (6 layers, every other block routed at 12.5%); the plain recursive model
 (4 unique layers, the middle two applied 3 times, every token every step: no router); MoR with
 expert choice (steps at 25% and 12.5%) and token choice, each with recursion-wise KV caching
@@ -90,10 +90,11 @@ FULL = StudySettings(
         ("M", dict(d_model=128, n_heads=4)),
     ),
     # At 1.5e13 the best width kept moving down (S beat M for the first arms, then XS beat S,
-    # then XXS beat XS): the small budget tries XXXS, XXS and XS (the S and M runs done before
-    # stay in the results), the larger XS and S; M trains only as the params pair's width
-    # (CPU time: each run is 15-60 minutes)
-    skip=((1.5e13, ("S", "M")), (5e13, ("XXXS", "XXS", "M"))),
+    # then XXS beat XS, then XXXS beat XXS for most arms): the small budget tries XXXS, XXS and
+    # XS (the S and M runs done before stay in the results); the larger, 3.3x the compute, XXS
+    # and XS, around where compute-optimal width (~C^0.5 parameters) puts it from XXXS-XXS; M
+    # trains only as the params pair's width (CPU time: each run is 15-60 minutes)
+    skip=((1.5e13, ("S", "M")), (5e13, ("XXXS", "S", "M"))),
     seq_len=256,
     batch_size=16,
     eval_every_runs=2,
