@@ -5,6 +5,7 @@ interface. A deliberate change of a flag updates the snapshots with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from mixture_of_depths.cli import COMMANDS, main
+from mixture_of_depths.cli.flags import FIELD_HELP
+from mixture_of_depths.config import MoDConfig
+from mixture_of_depths.train.config import TrainConfig
 
 SNAPSHOTS = Path(__file__).parent / "help"
 
@@ -35,3 +39,12 @@ def test_help_text_is_unchanged(command, monkeypatch, capsys):
 def test_every_command_has_a_snapshot():
     names = {p.stem for p in SNAPSHOTS.glob("*.txt")}
     assert names == {"mod", *COMMANDS}
+
+
+@pytest.mark.parametrize("cls", [MoDConfig, TrainConfig])
+def test_every_config_field_says_what_it_means_in_its_flag(cls):
+    """A new field gets a line of help, and no help is left for a field that is gone."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    described = FIELD_HELP[cls.__name__]
+    assert names == set(described), names ^ set(described)
+    assert all(text.strip() for text in described.values())

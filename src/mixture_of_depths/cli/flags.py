@@ -10,8 +10,10 @@ import typing
 from typing import Any
 
 from ..config import FIELD_CHOICES, PRESETS, MoDConfig
+from .fieldhelp import MODEL_HELP, TRAIN_HELP
 
 DEFAULT_PRESET = "small"
+FIELD_HELP = {"MoDConfig": MODEL_HELP, "TrainConfig": TRAIN_HELP}  # by class name
 
 
 def field_type(annotation: Any) -> Any:
@@ -55,6 +57,7 @@ def add_dataclass_flags(
     dataclass's own defaults, which no preset uses.
     """
     hints = typing.get_type_hints(cls)
+    described = FIELD_HELP.get(cls.__name__, {})
     base = MoDConfig.preset(DEFAULT_PRESET) if preset else None
     from_preset = {k for p in PRESETS.values() for k in p} | {"d_ff", "n_kv_heads"}
     for f in dataclasses.fields(cls):
@@ -63,8 +66,14 @@ def add_dataclass_flags(
         flag = "--" + f.name.replace("_", "-")
         typ = field_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
+        what = described.get(f.name, "")
         if base is not None:
             default = getattr(base, f.name)
+        if isinstance(default, float):
+            default = f"{default:g}"  # 2.66667, not 2.6666666666666665
+        elif default == "":
+            default = "empty"
+        if base is not None:
             if f.name in from_preset:
                 default = f"from --preset; {DEFAULT_PRESET}: {default}"
             if f.name == "aux_loss_weight":  # None resolves by the causal router
@@ -74,7 +83,7 @@ def add_dataclass_flags(
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=None,
-                help=f"(default: {default})",
+                help=f"{what} (default: {default})".lstrip(),
             )
         elif typing.get_origin(typ) is tuple:  # e.g. recursion_capacities: 1,0.25,0.125
             parser.add_argument(
@@ -82,14 +91,14 @@ def add_dataclass_flags(
                 type=comma_floats,
                 default=None,
                 metavar="FLOATS",
-                help=f"comma-separated (default: {default})",
+                help=f"{what or 'comma-separated'} (default: {default})",
             )
         elif f.name in choices:
             parser.add_argument(
                 flag,
                 choices=choices[f.name],
                 default=None,
-                help=f"(default: {default})",
+                help=f"{what} (default: {default})".lstrip(),
             )
         else:
             parser.add_argument(
@@ -97,7 +106,7 @@ def add_dataclass_flags(
                 type=typ,
                 default=None,
                 metavar=typ.__name__.upper(),
-                help=f"(default: {default})",
+                help=f"{what} (default: {default})".lstrip(),
             )
 
 

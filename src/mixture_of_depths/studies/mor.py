@@ -2,7 +2,8 @@
 same code, at equal training FLOPs; and MoR's headline at equal unique parameters.
 
 Arms on BPE text at 256 and 1024 tokens of context (the same tokens a step), to two
-training-FLOP budgets, at widths XXXS, XXS and XS at the smaller budget and XXS and XS at the larger:
+training-FLOP budgets, at widths XXXS, XXS and XS at the smaller budget and XXS and XS at the
+larger:
 dense (6 layers); MoD (6 layers, every other block routed at 12.5%); the plain recursive model
 (4 unique layers, the middle two applied 3 times, every token every step: no router); MoR with
 expert choice (steps at 25% and 12.5%) and token choice, each with recursion-wise KV caching
