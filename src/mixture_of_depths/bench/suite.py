@@ -113,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="training runs under autocast in bfloat16 (default: bfloat16 on cuda, float32 on cpu)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def check_args(args: argparse.Namespace) -> argparse.Namespace:

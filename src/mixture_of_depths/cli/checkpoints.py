@@ -44,15 +44,24 @@ def add_convert(sub: Any, name: str) -> None:
     p.add_argument("--from-hf", required=True, metavar="DIR", help="transformers model folder")
     p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
     p.add_argument("--layer-pattern", default="DR", help="D dense, R routed, tiled (default: DR)")
-    p.add_argument("--capacity", type=float, default=0.125, help="(default: 0.125)")
     p.add_argument(
-        "--max-seq-len", type=int, default=None, help="(default: max_position_embeddings)"
+        "--capacity",
+        type=float,
+        default=0.125,
+        help="share of the tokens each routed block takes (default: 0.125)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="longest context of the MoD model (default: max_position_embeddings)",
     )
     p.add_argument(
         "--causal-router",
         choices=FIELD_CHOICES["causal_router"],
         default="aux_loss",
-        help="(default: aux_loss)",
+        help="the new routers' causal decision: the router's logit trained by an auxiliary "
+        "loss, or a predictor (default: aux_loss)",
     )
     p.add_argument("--seed", type=int, default=0, help="of the new routers (default: 0)")
 

@@ -46,7 +46,7 @@ def add_flops(sub: Any, name: str) -> None:
         help="expert layers: share of token slots that run a real expert (default: the bound, "
         "1 or the capacity factor's)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_dataclass_flags(
         p.add_argument_group("model (MoDConfig fields)"),
         MoDConfig,
@@ -57,7 +57,7 @@ def add_flops(sub: Any, name: str) -> None:
 
 def add_presets(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="list the model presets")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run_flops(args: argparse.Namespace) -> int:

@@ -70,8 +70,17 @@ def add_parser(sub: Any, name: str) -> None:
     )
     p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
     p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
-    p.add_argument("--keep-checkpoints", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each finished run's folder and checkpoint (default: removed once its row "
+        "is written, except where the plan measures the models afterwards)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar: a log line per finished run (for a background study)",
+    )
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
 
 
