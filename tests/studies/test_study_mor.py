@@ -86,6 +86,14 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     speed = rows[mor.CLAIMS[-1][0]]
     assert speed.split(" ")[0].rstrip(":") in ("supported", "contradicted", "within"), speed
     assert "x at batch 8" in speed
+    # KV bytes as routed: the cache at the causal take-rates each run measured, recomputed
+    token = next(r for r in grid if r["label"] == "MoR token, shared KV")
+    for r in (rec, token):
+        takes = [r["causal_take_rate"][f"{s}.recursion"] for s in (1, 2)]
+        cell = next(v for v in mor.cells([r]).values())
+        cfg = MoDConfig(**r["model"])
+        want = estimate_flops(cfg, r["seq_len"], with_dense=False, take_rate=takes)
+        assert cell["kv_bytes_per_token_routed"] == pytest.approx(want.kv_bytes_per_token)
     before = (out / "decode.jsonl").read_text()
     mor.measure(results, out, work, str(corpus))  # nothing new to time: nothing timed again
     assert (out / "decode.jsonl").read_text() == before
