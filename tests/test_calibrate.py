@@ -73,6 +73,14 @@ def test_recursion_steps_are_fitted_to_their_own_capacities_among_active_tokens(
     for x in batches:
         first, second = model(x, routing="causal").routes
         assert not (second.mask & ~first.mask).any()  # nested: only active tokens continue
+    # accuracy counts a step's causal decision as generation makes it: taken only by a token
+    # still active, against the nested top-k target
+    first, second = model(batches[0], routing="topk").routes
+    d1, d2 = (r.decision_logits > t for r, t in zip((first, second), thresholds, strict=True))
+    want = [(d1 == first.target).float().mean(), ((d1 & d2) == second.target).float().mean()]
+    assert list(routing_accuracy([first, second]).values()) == pytest.approx(
+        [float(w) for w in want]
+    )
     token = make_model(tiny_config(layer_pattern="D", recursions=3, recursion_router="token"))
     with pytest.raises(ValueError, match="token-choice recursion .* nothing to calibrate"):
         fit_thresholds(token, batches)

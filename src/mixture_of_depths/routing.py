@@ -153,14 +153,22 @@ def routing_accuracy(routes: list[Route]) -> dict[str, float]:
     """Share of tokens whose causal decision (logit > the router's threshold, 0 unless
     calibrated) agrees with top-k membership, per router.
 
+    A recursion step's causal decision is its own and the steps' before it (a token continues
+    only while active, docs/mor.md), as its top-k target is nested in theirs: a token that
+    stopped earlier counts as skipping, whatever its score at this step.
+
     Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered and MLP-only
     routing.
     """
     acc = {}
+    active: Tensor | None = None  # the recursion steps' causal decisions so far
     for r in routes:
         if r.target is None:
             raise ValueError(f"route {r.name} has no top-k target (a cached decode step)")
-        acc[r.name] = ((r.decision_logits > r.threshold) == r.target).float().mean().item()
+        take = r.decision_logits > r.threshold
+        if r.kind == "recursion":
+            active = take = take if active is None else take & active
+        acc[r.name] = (take == r.target).float().mean().item()
     return acc
 
 
