@@ -1,8 +1,8 @@
 """Calibrated causal thresholds, before and after, on trained MoD checkpoints: per routed layer
 the causal take-rate, the causal validation loss, and decode tokens/s, the checkpoint as trained
 (threshold 0) beside the same weights with thresholds fitted by `mod calibrate`'s code
-(`mixture_of_depths.calibrate.fit_thresholds`) on the first half of the run's validation
-windows; loss and take-rates are measured on the other half.
+(`mixture_of_depths.calibrate.fit_thresholds`) on every other batch of the run's validation
+windows (`calibrate.fit_and_held`); loss and take-rates are measured on the others.
 
     python benchmarks/calibration.py runs/study-round3-kept/r3-1.5e14-mod-s0 [more checkpoints]
 
@@ -24,7 +24,7 @@ import torch
 
 from mixture_of_depths.bench.common import cpu_snapshot, interleaved, others_busy
 from mixture_of_depths.bench.decode import decode_run
-from mixture_of_depths.calibrate import causal_take_rates, fit_thresholds
+from mixture_of_depths.calibrate import causal_take_rates, fit_and_held, fit_thresholds
 from mixture_of_depths.data import load_tokenizer
 from mixture_of_depths.runtime.checkpoint import load_model, resolve_checkpoint
 from mixture_of_depths.train import evaluate
@@ -43,7 +43,7 @@ def measure(ckpt: Path, args: argparse.Namespace) -> dict:
     batches, _ = run_batches(
         ckpt, load_tokenizer(ckpt), cfg.max_seq_len, args.data, args.eval_batches, args.batch_size
     )
-    fit, held = batches[: len(batches) // 2], batches[len(batches) // 2 :]
+    fit, held = fit_and_held(batches)
     thresholds = fit_thresholds(calibrated, [x for x, _ in fit])
     models = {"trained": trained, "calibrated": calibrated}
     row: dict = {"checkpoint": str(ckpt), "capacity": cfg.capacity, "thresholds": thresholds}

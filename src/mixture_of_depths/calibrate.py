@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,17 @@ def set_config(model: nn.Module, **changes: Any) -> MoDConfig:
         if isinstance(getattr(m, "cfg", None), MoDConfig):
             m.cfg = cfg
     return cfg
+
+
+B = TypeVar("B")
+
+
+def fit_and_held(batches: Sequence[B]) -> tuple[list[B], list[B]]:
+    """Split validation batches into those that fit the thresholds and those that measure them:
+    alternate batches. Evaluation windows are spread over the text in order, so both halves then
+    cover all of it; the first half against the second would count a shift between parts of the
+    text (other files, other code) as calibration error."""
+    return list(batches[0::2]), list(batches[1::2])
 
 
 def threshold_at(scores: Tensor, take: float) -> float:

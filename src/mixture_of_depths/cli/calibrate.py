@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..calibrate import causal_take_rates, fit_thresholds, targets
+from ..calibrate import causal_take_rates, fit_and_held, fit_thresholds, targets
 from ..data import load_tokenizer
 from ..fileio import json_text
 from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint, save_checkpoint
@@ -24,8 +24,8 @@ def add_parser(sub: Any, name: str) -> None:
         "(the aux-loss router's logit, or the predictor's) that makes the causal take-rate on "
         "held-out text equal the capacity, and write CHECKPOINT again to --out with the "
         "thresholds in its config: causal evaluation, generation and the Hugging Face model "
-        "use them. The run's validation batches are split: the first half fits, the second "
-        "measures take-rates and loss before and after.",
+        "use them. The run's validation batches are split, alternately: one half fits, the "
+        "other measures take-rates and loss before and after.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
     p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
@@ -33,8 +33,10 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--batches",
         type=int,
-        default=None,
-        help="validation batches, at least 2 (default: the run's eval_batches)",
+        default=32,
+        help="validation batches (of the run's batch size and length), at least 2: a short "
+        "validation text gives fewer. Take-rates vary much from one batch to the next, so the "
+        "default is more than a run's usual evaluation (default: 32)",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     batches, _ = run_batches(ckpt, tokenizer, cfg.max_seq_len, args.data, args.batches)
     if len(batches) < 2:
         raise ValueError(f"calibration needs at least 2 validation batches, got {len(batches)}")
-    fit, held = batches[: len(batches) // 2], batches[len(batches) // 2 :]
+    fit, held = fit_and_held(batches)
     before = _measure(model, held, device)
     thresholds = fit_thresholds(model, [x for x, _ in fit])
     after = _measure(model, held, device)

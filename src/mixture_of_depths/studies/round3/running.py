@@ -74,6 +74,8 @@ def calibration(ckpt: Path, data: str | None) -> dict[str, Any]:
     causal take-rates and loss measured on the second, before and after."""
     model, cfg = load_model(ckpt)
     batches, _ = run_batches(ckpt, load_tokenizer(ckpt), cfg.max_seq_len, data)
+    # the first half fits, the second measures (the round began so; `mod calibrate` now
+    # alternates batches, `calibrate.fit_and_held`), kept for one method across the round
     fit, held = batches[: len(batches) // 2], batches[len(batches) // 2 :]
 
     def measure() -> dict[str, Any]:
