@@ -6,6 +6,7 @@ the report judges the paper's claims from the results (and says "not run yet" wi
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,14 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     before = (out / "decode.jsonl").read_text()
     mor.measure(results, out, work, str(corpus))  # nothing new to time: nothing timed again
     assert (out / "decode.jsonl").read_text() == before
+    # seed 0's checkpoint lost: the same width's seed 1 is timed in its place
+    cell = next(x for x in mor.cells(results).values() if len(x["names"]) > 1)
+    shutil.rmtree(work / cell["name"])
+    (out / "decode.jsonl").unlink()
+    mor.measure(results, out, work, str(corpus))
+    again = mor.cells(results, None, mor.decode_rows(out))
+    stand_in = next(x for x in again.values() if x["name"] == cell["name"])
+    assert stand_in["timed"] == cell["names"][1] and stand_in["decode_tok_s_b1"] > 0
     mor.write_report([], tmp_path / "empty", mor.QUICK)
     assert "Not run yet." in (tmp_path / "empty" / "report.md").read_text()
 

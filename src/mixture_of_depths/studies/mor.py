@@ -205,7 +205,8 @@ def cells(
 ) -> dict[tuple[float, int, str], dict[str, Any]]:
     """Per (budget, length, label): the best width's loss (mean over its seeds; only width
     `size` if given), its seed gap, unique parameters, FLOPs and KV bytes per token, the seed-0
-    run's name, and its decode speeds where `decode` (by run name) has them."""
+    run's name ("name") and all its seeds' ("names"), and the decode speeds of the first of them
+    that `decode` (by run name) has ("timed": its name)."""
     out: dict[tuple[float, int, str], dict[str, Any]] = {}
     groups: dict[tuple[float, int, str, str], list[dict[str, Any]]] = {}
     for r in results:
@@ -221,7 +222,8 @@ def cells(
         est = estimate_flops(cfg, T, with_dense=False)
         takes = routed_takes(rows)
         routed = estimate_flops(cfg, T, with_dense=False, take_rate=takes) if takes else est
-        name = min(rows, key=lambda r: r["seed"])["name"]
+        names = [r["name"] for r in sorted(rows, key=lambda r: r["seed"])]
+        timed = next(((decode or {})[n] for n in names if n in (decode or {})), None)
         out[(b, T, label)] = {
             "loss": loss,
             "gap": abs(by_seed[0] - by_seed[1]) if {0, 1} <= set(by_seed) else None,
@@ -230,8 +232,9 @@ def cells(
             "kv_bytes_per_token": est.kv_bytes_per_token,
             "kv_bytes_per_token_routed": routed.kv_bytes_per_token,
             "seeds": len(rows),
-            "name": name,
-            **(decode or {}).get(name, {}),
+            "name": names[0],
+            "names": names,
+            **({} if timed is None else {**timed, "name": names[0], "timed": timed["name"]}),
         }
     return out
 
@@ -380,7 +383,8 @@ def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettin
         "an element, each step at its capacity (token choice: balanced depths), and as routed: "
         "at the causal take-rates the run measured on its validation text (what generation "
         "caches; the mean over seeds). Decode: greedy "
-        "tokens/s after a prompt of half the context, the seed-0 model of each arm's best width, "
+        "tokens/s after a prompt of half the context, the seed-0 model of each arm's best width "
+        "(seed 1's where seed 0's checkpoint was lost), "
         "the models of a budget and length side by side (CPU, one thread, median of "
         "interleaved rounds), measured once training is done with nothing else running. "
         "Plot: `mor.png`.",
@@ -446,21 +450,28 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 # -- decode speed of the trained models ---------------------------------------------------------
 def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | None) -> None:
-    """Decode speed, per budget and length, of the seed-0 model of each arm's best width (grid
-    arms, and the sharing and parameter pairs where they ran), side by side
-    (`measure.decode_speeds`), for the cells with a model not yet in ``decode.jsonl`` (the
-    cell's models again, all together). Needs the kept checkpoints (``--keep-checkpoints``)
-    and an otherwise idle machine. Delete the file to measure again."""
+    """Decode speed, per budget and length, of each arm's model at its best width (grid arms,
+    and the sharing and parameter pairs where they ran), side by side
+    (`measure.decode_speeds`): the seed-0 model, or the first later seed's where seed 0's
+    checkpoint is gone. Only cells with a model not yet in ``decode.jsonl`` are timed (the
+    cell's models again, all together). Needs the kept checkpoints (``--keep-checkpoints``) and
+    an otherwise idle machine. Delete the file to measure again."""
     path = out / "decode.jsonl"
     done = set(decode_rows(out))
     c = cells(results)
     for b, T in sorted({(b, T) for b, T, _ in c}):
-        names = [x["name"] for (b2, T2, _), x in c.items() if (b2, T2) == (b, T)]
-        kept = {n: work / n / CHECKPOINT_NAME for n in names if has_checkpoint(work / n)}
+        kept: dict[str, Path] = {}
+        for (b2, T2, _), x in c.items():
+            if (b2, T2) != (b, T):
+                continue
+            name = next((n for n in x["names"] if has_checkpoint(work / n)), None)
+            if name is None:  # trained before checkpoints were kept, every seed
+                print(f"decode speed: no checkpoint kept for {x['name']} or its other seeds: "
+                      "not timed (retrain it to time it)")  # fmt: skip
+            else:
+                kept[name] = work / name / CHECKPOINT_NAME
         if not kept or all(n in done for n in kept):
             continue
-        for name in sorted(set(names) - set(kept) - done):  # trained before checkpoints were kept
-            print(f"decode speed: no checkpoint kept for {name}: not timed (retrain it to time it)")
         print(f"decode speed: budget {b:.1e}, T={T}, {len(kept)} models side by side")
         ckpts = {n: resolve_checkpoint(p) for n, p in kept.items()}
         speeds = decode_speeds(ckpts, T, data)
