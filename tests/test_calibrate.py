@@ -4,6 +4,7 @@ full recomputation, the routes' masks are score > threshold), and they survive a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from helpers import TINY, make_model, random_tokens, tc, tiny_config
 from mixture_of_depths import MoDConfig, generate, generate_reference
 from mixture_of_depths.calibrate import causal_take_rates, fit_thresholds, threshold_at
 from mixture_of_depths.cli import main
+from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.routing import routing_accuracy
 from mixture_of_depths.runtime.checkpoint import load_model, save_checkpoint
 from mixture_of_depths.train import train
@@ -139,3 +141,13 @@ def test_mod_calibrate_writes_a_checkpoint_whose_take_rates_are_the_capacity(
     assert main(["eval", str(out), "--data", str(corpus)]) == 0
     assert "causal take-rate" in capsys.readouterr().out
     assert main(["calibrate", str(run / "checkpoint"), "--out", str(out)]) == 2  # not empty
+
+
+def test_a_calibrated_model_is_priced_as_the_same_model_uncalibrated():
+    """Thresholds move causal decisions, not the top-k forward: the FLOPs and the dense twin
+    they are compared with are the uncalibrated model's (the twin has no routers, so no
+    thresholds)."""
+    cfg = tiny_config(causal_thresholds=(0.1, -0.2, 0.3))
+    plain = dataclasses.replace(cfg, causal_thresholds=())
+    assert cfg.dense_twin() == plain.dense_twin() and cfg.dense_twin().causal_thresholds == ()
+    assert estimate_flops(cfg, 32).to_dict() == estimate_flops(plain, 32).to_dict()

@@ -516,12 +516,13 @@ class MoDConfig:
                 self, recursions=1, recursion_sharing="middle_cycle", recursion_capacities=None,
                 recursion_router="expert", recursion_kv="recursion", causal_thresholds=(),
             )  # fmt: skip
+        # no routers: nothing to route, no thresholds (a calibrated model's twin is still dense)
+        unrouted = dict(layer_pattern="D", skipped_kv="none", routing="joint", causal_thresholds=())
         if not self.has_experts:
-            return dataclasses.replace(self, layer_pattern="D", skipped_kv="none")
+            return dataclasses.replace(self, **unrouted)
         return dataclasses.replace(
             self,
-            layer_pattern="D",
-            skipped_kv="none",
+            **unrouted,
             d_ff=self.experts_per_token * self.d_ff_expert,
             n_experts=0,
             experts_per_token=1,
