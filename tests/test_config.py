@@ -95,7 +95,7 @@ def test_dense_twin_has_the_parameters_minus_the_routers(name, routing, causal_r
     cfg = MoDConfig.preset(name, routing=routing, causal_router=causal_router)
     dense = cfg.dense_twin()
     assert dense.is_dense and dense.layer_pattern == "D"
-    assert dataclasses.replace(dense, layer_pattern=cfg.layer_pattern) == cfg
+    assert dataclasses.replace(dense, layer_pattern=cfg.layer_pattern, routing=routing) == cfg
     n_routers = len(cfg.routed_layers) * (1 if routing == "joint" else 2)
     d, h = cfg.d_model, cfg.predictor_hidden
     per_router = d + ((d * h + h) + (h + 1) if causal_router == "predictor" else 0)

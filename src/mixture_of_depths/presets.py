@@ -33,6 +33,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "recursions": 3,
         "recursion_capacities": (1.0, 0.25, 0.125),
     },  # fmt: skip
+    # Long contexts: small at 1024 tokens with only the MLP routed, attention for every token
+    # (round 3 of the study, docs/study/round3: at 1024 tokens the routed-attention MoD fell 12%
+    # behind dense at equal FLOPs, MLP-only routing 2.6% ahead, two seeds), and its dense twin.
+    "small-long": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "DR", "routing": "mlp"},
+    "small-long-dense": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "D"},
     "base": {**_BASE, "layer_pattern": "DR"},
     "base-dense": {**_BASE, "layer_pattern": "D"},
 }

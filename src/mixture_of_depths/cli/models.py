@@ -89,21 +89,32 @@ def run_presets(args: argparse.Namespace) -> int:
     else:
         for name, row in rows.items():
             cfg = MoDConfig.preset(name)
-            experts = ""
-            if cfg.has_experts:
-                experts = (
-                    f" experts={cfg.n_experts}+{cfg.n_noop_experts} no-op "
-                    f"top-{cfg.experts_per_token} d_ff_expert={cfg.d_ff_expert}"
-                    + (
-                        ""
-                        if cfg.expert_capacity_factor is None
-                        else f" expert_capacity_factor={cfg.expert_capacity_factor}"
-                    )
-                )
             print(
                 f"{name:21s} {row['params'] / 1e6:6.2f}M params  d_model={cfg.d_model} "
                 f"n_layers={cfg.n_layers} n_heads={cfg.n_heads}/{cfg.n_kv_heads} "
-                f"max_seq_len={cfg.max_seq_len} layers={cfg.layer_kinds} capacity={cfg.capacity}"
-                + experts
+                f"max_seq_len={cfg.max_seq_len} layers={cfg.layer_kinds}" + _preset_extras(cfg)
             )
     return 0
+
+
+def _preset_extras(cfg: MoDConfig) -> str:
+    """What a preset sets beyond its shape: routing, experts, recursion."""
+    out = []
+    if cfg.routed_layers:
+        out.append(f"capacity={cfg.capacity:g}")
+        if cfg.routing != "joint":
+            out.append(f"routing={cfg.routing}")
+    if cfg.has_experts:
+        out.append(
+            f"experts={cfg.n_experts}+{cfg.n_noop_experts} no-op top-{cfg.experts_per_token} "
+            f"d_ff_expert={cfg.d_ff_expert}"
+        )
+        if cfg.expert_capacity_factor is not None:
+            out.append(f"expert_capacity_factor={cfg.expert_capacity_factor}")
+    if cfg.recursive:
+        steps = ",".join(f"{c:g}" for c in cfg.recursion_capacities or ())
+        out.append(
+            f"recursions={cfg.recursions} ({cfg.recursion_sharing}, {cfg.recursion_router} "
+            f"choice{', steps ' + steps if steps else ''}, recursion_kv={cfg.recursion_kv})"
+        )
+    return "".join(" " + x for x in out)

@@ -99,8 +99,29 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **model_over)
         tc = TrainConfig(**train_over)
+        note = long_context_note(cfg, tc.seq_len or cfg.max_seq_len)
+        if note and env_from_torchrun().is_main:
+            print(note, file=sys.stderr)
         summary = train(cfg, tc, overwrite=args.overwrite, progress=not args.no_progress)
 
     if env_from_torchrun().is_main:  # under torchrun, rank 0 reports for the job
         print(json_text(summary) if args.json else format_summary(summary))
     return 0
+
+
+LONG_CONTEXT = 1024  # where round 3 measured it (docs/study/round3)
+
+
+def long_context_note(cfg: MoDConfig, seq_len: int) -> str | None:
+    """Advice for a model whose routed layers route attention, trained on long sequences: at
+    1024 tokens the third round of the study found such a model far behind dense at equal FLOPs,
+    and the same model with only the MLP routed level with dense or ahead (docs/semantics.md)."""
+    if seq_len < LONG_CONTEXT or not cfg.routed_layers or cfg.routing == "mlp":
+        return None
+    return (
+        f"note: routing={cfg.routing!r} at {seq_len} tokens: a token that skips a routed layer "
+        "computes no attention there, and at 1024 tokens the study found such models far behind "
+        "dense at equal FLOPs, and --routing mlp (attention for every token, only the MLP "
+        "routed; --preset small-long) level with it or ahead (docs/semantics.md, 'What a routed "
+        "layer can and cannot see')"
+    )

@@ -213,7 +213,8 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
     for label, a in arms.items():
         if a.get("gap_closed") is not None:
             lines.append(
-                f"- {label}: closes {a['gap_closed']:.0%} of the gap ({a['seeds']} seeds); "
+                f"- {label}: closes {a['gap_closed']:.0%} of the gap ({a['seeds']} "
+                f"seed{'s' if a['seeds'] != 1 else ''}); "
                 f"against dense: {against(a, dense)}"
             )
     bare = next((arms[a.label] for a in ARMS if a.arch == "bare" and a.label in arms), None)
