@@ -96,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoints", nargs="+", help="MoD checkpoint folders")
     ap.add_argument("--data", default=None, help="text file or folder (default: the run's)")
-    ap.add_argument("--eval-batches", type=int, default=None, help="(default: the run's)")
+    ap.add_argument(
+        "--eval-batches",
+        type=int,
+        default=32,
+        help="validation batches (default: 32, as mod calibrate)",
+    )
     ap.add_argument("--batch-size", type=int, default=None, help="(default: the run's)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -151,3 +151,6 @@ def test_a_calibrated_model_is_priced_as_the_same_model_uncalibrated():
     plain = dataclasses.replace(cfg, causal_thresholds=())
     assert cfg.dense_twin() == plain.dense_twin() and cfg.dense_twin().causal_thresholds == ()
     assert estimate_flops(cfg, 32).to_dict() == estimate_flops(plain, 32).to_dict()
+    random = tiny_config(router_scores="random", random_take_rates="0.1,0.2,0.3")
+    assert random.dense_twin() == plain.dense_twin()  # nor random routing's rates
+    assert estimate_flops(random, 32).dense.to_dict() == estimate_flops(plain, 32).dense.to_dict()

@@ -179,10 +179,13 @@ def test_token_choice_balancing_loss_is_one_when_the_depths_are_even():
     "over, message",
     [
         (dict(layer_pattern="DR"), "layer_pattern='DR' with recursions=3"),
-        (dict(recursion_capacities=(0.5,)), "give 3 shares in (0, 1], non-increasing"),
-        (dict(recursion_capacities=(0.25, 0.5)), "non-increasing"),
-        (dict(recursion_capacities=(0.0, 0.0)), "give 3 shares"),
-        (dict(recursion_capacities=(0.5, 0.25, 0.125)), "the first 1.0"),
+        (
+            dict(recursion_capacities=(0.5,)),
+            "1 share for 3 recursion steps; give 3 shares in (0, 1], non-increasing",
+        ),
+        (dict(recursion_capacities=(0.25, 0.5)), "the shares increase"),
+        (dict(recursion_capacities=(0.0, 0.0)), "a share outside (0, 1]"),
+        (dict(recursion_capacities=(0.5, 0.25, 0.125)), "the first is 0.5, not 1.0"),
         (dict(recursion_capacities=(1.0, 0.5, 0.25, 0.125)), "or the 2 routed steps' alone"),
         (dict(recursion_router="token"), "is for recursion_router='expert'"),
         (dict(n_layers=2), "needs n_layers >= 3"),
@@ -208,6 +211,17 @@ def test_defaults_json_round_trip_and_the_preset():
     assert mor_config(recursion_capacities=(0.5, 0.25, 0.125), recursions=4) == cfg
     assert cfg.recursion_routed_steps == [1, 2, 3]
     assert [cfg.recursion_tokens(r, 16) for r in range(4)] == [16, 8, 4, 2]
+    for step in (-1, 4):
+        with pytest.raises(
+            ValueError, match=f"recursion step {step}: this model's steps are 0 .. 3"
+        ):
+            cfg.recursion_capacity(step)
+    token = mor_config(recursion_router="token", recursion_capacities=None)
+    assert [token.recursion_capacity(r) for r in range(3)] == [1.0, 2 / 3, 1 / 3]  # balanced
+    # a preset's capacities are its own recursions': another number of steps needs its own
+    with pytest.raises(ValueError, match="give recursion_capacities too"):
+        MoDConfig.preset("small-mor", recursions=4)
+    assert MoDConfig.preset("small-mor", recursions=4, recursion_capacities=None).recursions == 4
     assert MoDConfig.from_json(cfg.to_json()) == cfg
     small, mor = MoDConfig.preset("small"), MoDConfig.preset("small-mor")
     assert mor.recursive and not mor.is_dense and mor.d_model == small.d_model

@@ -71,10 +71,14 @@ def test_a_decode_step_that_takes_every_step_equals_flop_counter(kv):
     assert est * B == pytest.approx(fc.get_total_flops(), rel=0.01)
 
 
-def test_mor_trains_saves_loads_and_generates_through_the_commands(corpus, tmp_path: Path, capsys):
+@pytest.mark.parametrize("router", ["expert", "token"])
+def test_mor_trains_saves_loads_and_generates_through_the_commands(
+    corpus, tmp_path: Path, capsys, router
+):
     cfg = MoDConfig(
-        **{**TINY, "n_layers": 3}, layer_pattern="D", recursions=3, recursion_kv="share"
-    )
+        **{**TINY, "n_layers": 3}, layer_pattern="D", recursions=3, recursion_kv="share",
+        recursion_router=router,
+    )  # fmt: skip
     out = tmp_path / "run"
     train(cfg, tc(corpus, out, steps=4, eval_every=4), progress=False)
     seen = losses(out)
@@ -86,4 +90,5 @@ def test_mor_trains_saves_loads_and_generates_through_the_commands(corpus, tmp_p
         assert model(idx, routing=routing).routes[0].kind == "recursion"
     main(["generate", "--checkpoint", str(out / "checkpoint"), "--prompt", "def ",
           "--max-new-tokens", "5", "--show-routing"])  # fmt: skip
-    assert capsys.readouterr().out.strip()
+    shown = capsys.readouterr().out
+    assert ("step capacities 50.0%, 25.0%" if router == "expert" else "balanced depths") in shown

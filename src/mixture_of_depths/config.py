@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from .checks import POSITIVE, POSITIVE_INT, SHARE, Range, check_choice, check_fields
 from .fileio import atomic_write_text
 from .presets import PRESETS
+from .recursion_fields import checked_recursion
 
 # The sub-blocks each routing mode routes, one router each (docs/semantics.md, "Joint, staggered
 # and MLP-only routing"): the whole block; attention and the MLP apart; only the MLP, with
@@ -227,7 +228,8 @@ class MoDConfig:
                 "use skipped_kv='none'"
             )
         self._check_random_take_rates()
-        self._check_recursion()
+        caps = checked_recursion(self)  # docs/mor.md: stored one share per step
+        object.__setattr__(self, "recursion_capacities", caps)
         self._check_causal_thresholds()
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
@@ -286,65 +288,6 @@ class MoDConfig:
                              "by their own noise)")  # fmt: skip
         object.__setattr__(self, "causal_thresholds", values)
 
-    def _check_recursion(self) -> None:
-        defaults = {"recursion_sharing": "middle_cycle", "recursion_router": "expert",
-                    "recursion_kv": "recursion", "recursion_capacities": None}  # fmt: skip
-        if self.recursions == 1:
-            odd = {k: getattr(self, k) for k, v in defaults.items() if getattr(self, k) != v}
-            if odd:
-                raise ValueError(f"{odd} need recursions > 1 (got recursions=1, no recursion)")
-            return
-        why = {
-            "layer_pattern": (self.layer_pattern == "D", "'D' (the recursion routers route)"),
-            "n_experts": (self.n_experts == 0, "0 (expert layers in a recursion: unsupported)"),
-            "skipped_kv": (self.skipped_kv == "none", "'none' (recursion_kv says what a "
-                           "step's attention reads)"),
-            "router_scores": (self.router_scores == "learned", "'learned'"),
-        }  # fmt: skip
-        for name, (ok, allowed) in why.items():
-            if not ok:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} with recursions={self.recursions}: a "
-                    f"recursive model needs {name}={allowed}"
-                )
-        least = 3 if self.recursion_sharing == "middle_cycle" else 1
-        if self.n_layers < least:
-            raise ValueError(
-                f"recursion_sharing={self.recursion_sharing!r} needs n_layers >= {least} (the "
-                f"first and last layers unique, at least one shared), got {self.n_layers}"
-            )
-        caps = self.recursion_capacities
-        n = self.recursions - 1  # the steps after the first, which can be routed
-        if self.recursion_router == "token":
-            if caps is not None:
-                raise ValueError(
-                    f"recursion_capacities={caps!r} is for recursion_router='expert': the token-"
-                    "choice router gives each token its number of passes itself"
-                )
-            return
-        if caps is None:
-            caps = tuple(0.5**r for r in range(n + 1))
-        try:
-            caps = tuple(float(c) for c in caps)
-        except (TypeError, ValueError):
-            caps = ()
-        if len(caps) == n:  # the routed steps' shares alone: the first pass is every token's
-            caps = (1.0, *caps)
-        if (
-            len(caps) != n + 1
-            or caps[0] != 1.0
-            or not all(0 < c <= 1 for c in caps)
-            or list(caps) != sorted(caps)[::-1]
-        ):
-            example = ", ".join(f"{0.5**r:g}" for r in range(n + 1))
-            raise ValueError(
-                f"recursion_capacities={self.recursion_capacities!r}: give {n + 1} shares in "
-                f"(0, 1], non-increasing, one per recursion step, the first 1.0 (every token "
-                f"takes the first pass), e.g. ({example}), or the {n} routed steps' alone "
-                f"(recursions={self.recursions})"
-            )
-        object.__setattr__(self, "recursion_capacities", caps)
-
     @property
     def recursive(self) -> bool:
         return self.recursions > 1
@@ -360,7 +303,16 @@ class MoDConfig:
         return [r for r, c in enumerate(self.recursion_capacities) if c < 1]
 
     def recursion_capacity(self, step: int) -> float:
-        """Expert choice: the share of the sequence that takes recursion step `step` (0: 1.0)."""
+        """The share of the sequence that takes recursion step `step` (0: every token): expert
+        choice's `recursion_capacities` entry; token choice's when its depths are balanced,
+        (N_r - step) / N_r."""
+        if not self.recursive or not 0 <= step < self.recursions:
+            raise ValueError(
+                f"recursion step {step!r}: this model's steps are 0 .. {self.recursions - 1} "
+                f"(recursions={self.recursions})"
+            )
+        if self.recursion_router == "token":
+            return (self.recursions - step) / self.recursions
         return self.recursion_capacities[step]
 
     def recursion_tokens(self, step: int, seq_len: Any) -> Any:
@@ -403,9 +355,7 @@ class MoDConfig:
         step = self.layer_schedule[layer][1]
         if self.recursion_kv == "share":
             return 0.0
-        if self.recursion_router == "token":  # balanced: a share (N_r - r) / N_r of tokens
-            return (self.recursions - step) / self.recursions
-        return self.recursion_capacity(step)
+        return self.recursion_capacity(step)  # token choice: balanced depths
 
     @property
     def n_routers(self) -> int:
@@ -517,7 +467,14 @@ class MoDConfig:
                 recursion_router="expert", recursion_kv="recursion", causal_thresholds=(),
             )  # fmt: skip
         # no routers: nothing to route, no thresholds (a calibrated model's twin is still dense)
-        unrouted = dict(layer_pattern="D", skipped_kv="none", routing="joint", causal_thresholds=())
+        unrouted = dict(
+            layer_pattern="D",
+            skipped_kv="none",
+            routing="joint",
+            causal_thresholds=(),
+            router_scores="learned",
+            random_take_rates="",
+        )
         if not self.has_experts:
             return dataclasses.replace(self, **unrouted)
         return dataclasses.replace(
@@ -564,7 +521,19 @@ class MoDConfig:
     def preset(cls, name: str, **overrides: Any) -> MoDConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        base = PRESETS[name]
+        caps = base.get("recursion_capacities")
+        if "recursions" in overrides and "recursion_capacities" not in overrides and caps:
+            # its capacities are one per step of its own recursions: read for another number of
+            # steps they would mean other steps (or be refused)
+            if overrides["recursions"] != base.get("recursions"):
+                raise ValueError(
+                    f"preset {name!r} sets recursion_capacities={caps} for its "
+                    f"recursions={base.get('recursions')}; with recursions="
+                    f"{overrides['recursions']!r} give recursion_capacities too (None: halve "
+                    "at each step)"
+                )
+        return cls(**{**base, **overrides})
 
 
 # The allowed range of every numeric field, checked in one place (`checks.check_fields`).

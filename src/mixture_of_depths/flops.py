@@ -133,8 +133,7 @@ class FlopReport:
 def _take_rates(cfg: MoDConfig, take_rate: float | list[float] | None) -> list[float]:
     n_routed = len(cfg.recursion_routed_steps or cfg.routed_layers)
     if cfg.recursive and take_rate is None:  # each step's capacity (token choice: balanced)
-        n, caps = cfg.recursions, cfg.recursion_capacities
-        return [(n - r) / n if caps is None else caps[r] for r in cfg.recursion_routed_steps]
+        return [cfg.recursion_capacity(r) for r in cfg.recursion_routed_steps]
     if take_rate is None:
         takes = [cfg.capacity] * n_routed
     elif isinstance(take_rate, int | float):

@@ -101,6 +101,8 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     # seed 0's checkpoint lost: the same width's seed 1 is timed in its place
     cell = next(x for x in mor.cells(results).values() if len(x["names"]) > 1)
     shutil.rmtree(work / cell["name"])
+    mor.measure(results, out, work, str(corpus))  # timed already: its folder's loss changes none
+    assert (out / "decode.jsonl").read_text() == before
     (out / "decode.jsonl").unlink()
     mor.measure(results, out, work, str(corpus))
     again = mor.cells(results, None, mor.decode_rows(out))

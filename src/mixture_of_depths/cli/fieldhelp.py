@@ -5,7 +5,7 @@ where the flag is made). Every field of `MoDConfig` and `TrainConfig` has one (a
 from __future__ import annotations
 
 MODEL_HELP: dict[str, str] = {
-    "vocab_size": "tokens in the vocabulary (a BPE run sets it from its tokenizer)",
+    "vocab_size": "tokens in the vocabulary (a new run sets it from its tokenizer)",
     "d_model": "width of the residual stream",
     "n_layers": "blocks (a recursive model: unique layers)",
     "n_heads": "attention heads",
@@ -25,7 +25,8 @@ MODEL_HELP: dict[str, str] = {
     "(empty: the capacity)",
     "causal_thresholds": "per router, the score a causal decision must exceed (mod calibrate "
     "fits them; empty: 0)",
-    "aux_loss_weight": "weight of the causal router's loss (the predictor's or the router's BCE)",
+    "aux_loss_weight": "weight of the causal router's loss (the predictor's or the router's "
+    "BCE; token-choice recursion: the depth-balancing loss)",
     "predictor_hidden": "hidden width of the causal predictor",
     "skipped_kv": "keys and values in a routed layer: none (only the tokens that took it), "
     "residual (every token's, from the layer's input)",
@@ -44,8 +45,9 @@ MODEL_HELP: dict[str, str] = {
     "recursions": "passes over the shared layers, N_r (1: no recursion; docs/mor.md)",
     "recursion_sharing": "which layers are shared: middle_cycle (all but the first and last) "
     "or cycle (all)",
-    "recursion_capacities": "share of the tokens per recursion step, non-increasing, the first "
-    "1 (e.g. 1,0.5,0.25; the routed steps' alone, 0.5,0.25, mean the same)",
+    "recursion_capacities": "expert choice: share of the tokens per recursion step, "
+    "non-increasing, the first 1 (e.g. 1,0.5,0.25; the routed steps' alone, 0.5,0.25, mean the "
+    "same; unset: 1, 1/2, 1/4, ...)",
     "recursion_router": "expert (each step keeps the top share of the tokens still active) or "
     "token (one router gives each token its number of passes)",
     "recursion_kv": "a later step's attention: recursion (among its own tokens, caching theirs) "

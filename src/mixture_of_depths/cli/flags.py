@@ -49,12 +49,14 @@ def add_dataclass_flags(
     skip: set[str],
     preset: bool = False,
     choices: dict[str, tuple[str, ...]] = FIELD_CHOICES,
+    shown: dict[str, str] | None = None,
 ) -> None:
     """One flag per field, default None so that only flags the user gave override anything.
 
     With `preset`, the flags override a model preset: their help shows what the default preset
     gives (a preset sets d_model, layers, heads...; d_ff and n_kv_heads follow from them), not the
-    dataclass's own defaults, which no preset uses.
+    dataclass's own defaults, which no preset uses. `shown`: the default a command applies
+    itself where the field's is not it (e.g. tune-routers' --tune routers).
     """
     hints = typing.get_type_hints(cls)
     described = FIELD_HELP.get(cls.__name__, {})
@@ -77,7 +79,9 @@ def add_dataclass_flags(
             if f.name in from_preset:
                 default = f"from --preset; {DEFAULT_PRESET}: {default}"
             if f.name == "aux_loss_weight":  # None resolves by the causal router
-                default = "0.1 with the predictor, 0.01 with aux_loss"
+                default = "0.1 with the predictor, 0.01 with aux_loss or token-choice recursion"
+        if shown and f.name in shown:
+            default = shown[f.name]
         if typ is bool:
             parser.add_argument(
                 flag,

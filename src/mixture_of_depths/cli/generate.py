@@ -185,10 +185,10 @@ def _stream_routing(
     took = routing_all.float().mean(0).tolist()
     out.write(f"routed blocks taken per token (of {len(names)}): {legend}\n")
     cfg = model.config
+    shares = ", ".join(f"{cfg.recursion_capacity(r):.1%}" for r in cfg.recursion_routed_steps)
     capacity = (  # a recursion step's own share of all tokens, or MoD's one capacity
-        "step capacities " + ", ".join(f"{cfg.recursion_capacity(r):.1%}"
-                                       for r in cfg.recursion_routed_steps)
-        if cfg.recursive
+        f"step capacities {shares}" if cfg.recursive and cfg.recursion_router == "expert"
+        else f"balanced depths {shares}" if cfg.recursive
         else f"capacity {cfg.capacity:.1%}"
     )  # fmt: skip
     out.write(

@@ -65,7 +65,11 @@ def add_tune_routers(sub: Any, name: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     p.set_defaults(preset=None)
-    add_dataclass_flags(p, TrainConfig, skip={"init_from"}, choices=TRAIN_CHOICES)
+    add_dataclass_flags(p, TrainConfig, skip={"init_from"}, choices=TRAIN_CHOICES, shown=TUNED)
+
+
+# what tune-routers sets where the user gives nothing (`run`), as its help shows it
+TUNED = {"tune": "routers", "out": "runs/tuned", "tokenizer": "the checkpoint's"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if getattr(args, "command", "") == "tune-routers":
-        train_over = {"tune": "routers", "out": "runs/tuned", **train_over}
+        train_over = {"tune": TUNED["tune"], "out": TUNED["out"], **train_over}
         train_over["init_from"] = args.checkpoint
     if (args.resume or train_over.get("init_from")) and (model_over or args.preset):
         print(

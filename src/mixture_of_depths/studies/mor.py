@@ -240,9 +240,16 @@ def cells(
 
 
 def routed_takes(rows: list[dict[str, Any]]) -> list[float]:
-    """The causal take-rate of each router (in forward order: keys "<layer or step>.<kind>"),
-    the mean over `rows`' seeds; [] where a model has no router."""
+    """The causal take-rate of each routed layer or recursion step (keys "<layer or
+    step>.<kind>", in forward order), the mean over `rows`' seeds; [] where a model has no
+    router, or more than one per layer (staggered routing: the estimate takes one rate per
+    layer), or a row misses one."""
     names = sorted(rows[0].get("causal_take_rate") or {}, key=lambda k: int(k.split(".")[0]))
+    layers = [k.split(".")[0] for k in names]
+    if len(set(layers)) != len(layers) or any(
+        set(r.get("causal_take_rate") or {}) != set(names) for r in rows
+    ):
+        return []
     return [sum(r["causal_take_rate"][k] for r in rows) / len(rows) for k in names]
 
 
@@ -453,31 +460,36 @@ def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | No
     """Decode speed, per budget and length, of each arm's model at its best width (grid arms,
     and the sharing and parameter pairs where they ran), side by side
     (`measure.decode_speeds`): the seed-0 model, or the first later seed's where seed 0's
-    checkpoint is gone. Only cells with a model not yet in ``decode.jsonl`` are timed (the
-    cell's models again, all together). Needs the kept checkpoints (``--keep-checkpoints``) and
-    an otherwise idle machine. Delete the file to measure again."""
+    checkpoint is gone. A budget and length is timed again, all its models together, when one
+    of its cells has a kept model and no timing yet; its older rows in ``decode.jsonl`` then go,
+    so that every speed of a cell's table comes from one side-by-side timing. Needs the kept
+    checkpoints (``--keep-checkpoints``) and an otherwise idle machine. Delete the file to
+    measure again."""
     path = out / "decode.jsonl"
     done = set(decode_rows(out))
     c = cells(results)
     for b, T in sorted({(b, T) for b, T, _ in c}):
+        group = [x for (b2, T2, _), x in c.items() if (b2, T2) == (b, T)]
         kept: dict[str, Path] = {}
-        for (b2, T2, _), x in c.items():
-            if (b2, T2) != (b, T):
-                continue
+        fresh = False  # a cell with a model to time and no timing yet
+        for x in group:
             name = next((n for n in x["names"] if has_checkpoint(work / n)), None)
-            if name is None:  # trained before checkpoints were kept, every seed
+            if name is not None:
+                kept[name] = work / name / CHECKPOINT_NAME
+                fresh = fresh or not any(n in done for n in x["names"])
+        if not fresh:
+            continue
+        for x in group:
+            if not any(has_checkpoint(work / n) for n in x["names"]):
                 print(f"decode speed: no checkpoint kept for {x['name']} or its other seeds: "
                       "not timed (retrain it to time it)")  # fmt: skip
-            else:
-                kept[name] = work / name / CHECKPOINT_NAME
-        if not kept or all(n in done for n in kept):
-            continue
         print(f"decode speed: budget {b:.1e}, T={T}, {len(kept)} models side by side")
-        ckpts = {n: resolve_checkpoint(p) for n, p in kept.items()}
-        speeds = decode_speeds(ckpts, T, data)
-        with path.open("a") as fh:
-            for name in kept:
-                fh.write(json_text({"name": name, **speeds[name]}) + "\n")
+        speeds = decode_speeds({n: resolve_checkpoint(p) for n, p in kept.items()}, T, data)
+        stale = {n for x in group for n in x["names"]}
+        rows = [r for r in decode_rows(out).values() if r["name"] not in stale]
+        rows += [{"name": name, **speeds[name]} for name in kept]
+        atomic_write_text(path, "".join(json_text(r) + "\n" for r in rows))
+        done = set(decode_rows(out))
 
 
 PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)
