@@ -33,9 +33,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "recursions": 3,
         "recursion_capacities": (1.0, 0.25, 0.125),
     },  # fmt: skip
-    # Long contexts: small at 1024 tokens with only the MLP routed, attention for every token
-    # (round 3 of the study, docs/study/round3: at 1024 tokens the routed-attention MoD fell 12%
-    # behind dense at equal FLOPs, MLP-only routing 2.6% ahead, two seeds), and its dense twin.
+    # Long contexts: small at 1024 tokens with only the MLP routed, attention for every token,
+    # and its dense twin. Round 3 of the study (docs/study/round3, d_model 96 and 4 layers, not
+    # this shape): at 1024 tokens MoD with routed attention was 13% behind dense at equal FLOPs,
+    # MLP-only routing level with dense or ahead (-2.6% in the mean of two seeds, inside the
+    # spread).
     "small-long": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "DR", "routing": "mlp"},
     "small-long-dense": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "D"},
     "base": {**_BASE, "layer_pattern": "DR"},
