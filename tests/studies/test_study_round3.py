@@ -183,3 +183,16 @@ def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp
     assert not planning.closes_the_gap(s, rows, arm["residual"])
     assert rpt.deciding_table(tmp_path, rows)[1] == table
     assert "dense XS, 5e13 FLOPs" in "\n".join(rpt.follow_up_table(rows))
+
+
+def test_an_arm_closes_the_gap_of_its_own_seeds():
+    """One seed of an arm is judged against MoD's and dense's same seed (the same data order
+    and initial weights), not their means over seeds it did not train."""
+    from mixture_of_depths.studies.round3.report import gap_closed
+
+    mod = {"by_seed": {0: 3.0, 1: 3.2}}
+    dense = {"by_seed": {0: 2.7, 1: 2.7}}
+    assert gap_closed({"by_seed": {0: 2.85}}, mod, dense) == pytest.approx(0.5)  # not 0.625
+    assert gap_closed({"by_seed": {0: 2.85, 1: 2.95}}, mod, dense) == pytest.approx(0.5)
+    assert gap_closed({"by_seed": {2: 2.85}}, mod, dense) is None  # no seed in common
+    assert gap_closed({"by_seed": {0: 2.5}}, {"by_seed": {0: 2.6}}, dense) is None  # no gap
