@@ -196,3 +196,11 @@ def test_an_arm_closes_the_gap_of_its_own_seeds():
     assert gap_closed({"by_seed": {0: 2.85, 1: 2.95}}, mod, dense) == pytest.approx(0.5)
     assert gap_closed({"by_seed": {2: 2.85}}, mod, dense) is None  # no seed in common
     assert gap_closed({"by_seed": {0: 2.5}}, {"by_seed": {0: 2.6}}, dense) is None  # no gap
+
+
+def test_one_seed_against_two_is_told_on_the_seed_both_trained():
+    from mixture_of_depths.studies.round3.report import against
+
+    two = {"seeds": 2, "loss": 3.1, "spread": 0.2, "by_seed": {0: 3.0, 1: 3.2}}
+    one = {"seeds": 1, "loss": 2.9, "spread": 0.0, "by_seed": {0: 2.9}}
+    assert against(two, one).startswith("+0.1000 nats on seed 0 ")  # not the means' +0.2000

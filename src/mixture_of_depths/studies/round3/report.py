@@ -306,6 +306,11 @@ def against(a: dict[str, Any], b: dict[str, Any]) -> str:
     range over seeds): a verdict needs two seeds on both sides."""
     diff = a["loss"] - b["loss"]
     if a["seeds"] < 2 or b["seeds"] < 2:
+        both = sorted(set(a.get("by_seed", {})) & set(b.get("by_seed", {})))
+        if both and len(both) < max(a["seeds"], b["seeds"]):  # the same seeds, not the means
+            paired = statistics.fmean(a["by_seed"][s] - b["by_seed"][s] for s in both)
+            on = ", ".join(map(str, both))
+            return f"{paired:+.4f} nats on seed {on} (one seed on a side: no verdict yet)"
         return f"{diff:+.4f} nats (one seed on a side: no verdict yet)"
     spread = max(a["spread"], b["spread"])
     side = "better" if diff < 0 else "worse"
