@@ -127,15 +127,17 @@ def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str],
     arms = {label: arm_summary(out, rows) for label, rows in by_arm(results).items()}
     dense, mod = arms.get(DENSE_LABEL), arms.get(MOD_LABEL)
     lines = [
-        "| arm | seeds | causal loss (each seed) | mean | spread | vs dense | "
+        "| arm | seeds | causal loss (each seed) | mean | spread | vs dense, same seeds | "
         "gap closed, same seeds | copy score | loss, 2nd half of context | "
         "gate p50 (1st routed layer) | attention >= 32 back, per layer | tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, a in arms.items():
         vs = closed = None
-        if dense:
-            vs = a["loss"] / dense["loss"] - 1
+        if dense:  # on the seeds both trained, as the gap (`gap_closed`)
+            both = set(a["by_seed"]) & set(dense["by_seed"]) or set(dense["by_seed"])
+            mine = [a["by_seed"][s] for s in both if s in a["by_seed"]] or a["losses"]
+            vs = statistics.fmean(mine) / statistics.fmean(dense["by_seed"][s] for s in both) - 1
         if dense and mod and label not in (DENSE_LABEL, MOD_LABEL):
             closed = gap_closed(a, mod, dense)
         a.update(vs_dense=vs, gap_closed=closed)
