@@ -317,8 +317,6 @@ class MoDConfig:
 
     def recursion_tokens(self, step: int, seq_len: Any) -> Any:
         """Expert choice: the tokens per row of `seq_len` that take recursion step `step`."""
-        if step == 0:
-            return seq_len
         return capacity_tokens(self.recursion_capacity(step), seq_len)
 
     @property
@@ -523,16 +521,16 @@ class MoDConfig:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
         base = PRESETS[name]
         caps = base.get("recursion_capacities")
-        if "recursions" in overrides and "recursion_capacities" not in overrides and caps:
+        other = overrides.get("recursions", base.get("recursions")) != base.get("recursions")
+        if caps and other and "recursion_capacities" not in overrides:
             # its capacities are one per step of its own recursions: read for another number of
             # steps they would mean other steps (or be refused)
-            if overrides["recursions"] != base.get("recursions"):
-                raise ValueError(
-                    f"preset {name!r} sets recursion_capacities={caps} for its "
-                    f"recursions={base.get('recursions')}; with recursions="
-                    f"{overrides['recursions']!r} give recursion_capacities too (None: halve "
-                    "at each step)"
-                )
+            raise ValueError(
+                f"preset {name!r} sets recursion_capacities={caps} for its "
+                f"recursions={base.get('recursions')}; with recursions="
+                f"{overrides['recursions']!r} give recursion_capacities too (None: halve "
+                "at each step)"
+            )
         return cls(**{**base, **overrides})
 
 

@@ -471,25 +471,27 @@ def measure(results: list[dict[str, Any]], out: Path, work: Path, data: str | No
     for b, T in sorted({(b, T) for b, T, _ in c}):
         group = [x for (b2, T2, _), x in c.items() if (b2, T2) == (b, T)]
         kept: dict[str, Path] = {}
+        missing = []  # cells whose every seed's checkpoint is gone
         fresh = False  # a cell with a model to time and no timing yet
         for x in group:
             name = next((n for n in x["names"] if has_checkpoint(work / n)), None)
-            if name is not None:
+            if name is None:
+                missing.append(x["name"])
+            else:
                 kept[name] = work / name / CHECKPOINT_NAME
                 fresh = fresh or not any(n in done for n in x["names"])
         if not fresh:
             continue
-        for x in group:
-            if not any(has_checkpoint(work / n) for n in x["names"]):
-                print(f"decode speed: no checkpoint kept for {x['name']} or its other seeds: "
-                      "not timed (retrain it to time it)")  # fmt: skip
+        for name in missing:
+            print(f"decode speed: no checkpoint kept for {name} or its other seeds: not timed "
+                  "(retrain it to time it)")  # fmt: skip
         print(f"decode speed: budget {b:.1e}, T={T}, {len(kept)} models side by side")
         speeds = decode_speeds({n: resolve_checkpoint(p) for n, p in kept.items()}, T, data)
         stale = {n for x in group for n in x["names"]}
         rows = [r for r in decode_rows(out).values() if r["name"] not in stale]
         rows += [{"name": name, **speeds[name]} for name in kept]
         atomic_write_text(path, "".join(json_text(r) + "\n" for r in rows))
-        done = set(decode_rows(out))
+        done = (done - stale) | set(kept)
 
 
 PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)

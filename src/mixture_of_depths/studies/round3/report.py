@@ -111,14 +111,23 @@ def _calibrated(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
-def gap_closed(arm: dict[str, Any], mod: dict[str, Any], dense: dict[str, Any]) -> float | None:
-    """The share of MoD's gap to dense that `arm` closes, on the seeds all three trained (a
-    seed fixes the data order and the initial weights: an arm with one seed is judged against
-    MoD's and dense's same seed, not their means); None without a common seed or a gap."""
-    seeds = set(arm["by_seed"]) & set(mod["by_seed"]) & set(dense["by_seed"])
+def common_seeds(*arms: dict[str, Any]) -> tuple[list[int], list[float]] | None:
+    """The seeds every one of `arms` trained, and each arm's mean loss over them (a seed fixes
+    the data order and the initial weights: an arm with one seed is judged on that seed, not
+    against the others' means over seeds it did not train); None without a common seed."""
+    seeds = sorted(set.intersection(*(set(a.get("by_seed", {})) for a in arms)))
     if not seeds:
         return None
-    m, d, x = (statistics.fmean(a["by_seed"][s] for s in seeds) for a in (mod, dense, arm))
+    return seeds, [statistics.fmean(a["by_seed"][s] for s in seeds) for a in arms]
+
+
+def gap_closed(arm: dict[str, Any], mod: dict[str, Any], dense: dict[str, Any]) -> float | None:
+    """The share of MoD's gap to dense that `arm` closes, on the seeds all three trained
+    (`common_seeds`); None without a common seed or a gap."""
+    common = common_seeds(mod, dense, arm)
+    if common is None:
+        return None
+    m, d, x = common[1]
     return (m - x) / (m - d) if m > d else None
 
 
@@ -135,9 +144,8 @@ def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str],
     for label, a in arms.items():
         vs = closed = None
         if dense:  # on the seeds both trained, as the gap (`gap_closed`)
-            both = set(a["by_seed"]) & set(dense["by_seed"]) or set(dense["by_seed"])
-            mine = [a["by_seed"][s] for s in both if s in a["by_seed"]] or a["losses"]
-            vs = statistics.fmean(mine) / statistics.fmean(dense["by_seed"][s] for s in both) - 1
+            x, d = (common_seeds(a, dense) or ([], [a["loss"], dense["loss"]]))[1]
+            vs = x / d - 1
         if dense and mod and label not in (DENSE_LABEL, MOD_LABEL):
             closed = gap_closed(a, mod, dense)
         a.update(vs_dense=vs, gap_closed=closed)
@@ -308,10 +316,10 @@ def against(a: dict[str, Any], b: dict[str, Any]) -> str:
     range over seeds): a verdict needs two seeds on both sides."""
     diff = a["loss"] - b["loss"]
     if a["seeds"] < 2 or b["seeds"] < 2:
-        both = sorted(set(a.get("by_seed", {})) & set(b.get("by_seed", {})))
-        if both and len(both) < max(a["seeds"], b["seeds"]):  # the same seeds, not the means
-            paired = statistics.fmean(a["by_seed"][s] - b["by_seed"][s] for s in both)
-            on = ", ".join(map(str, both))
+        common = common_seeds(a, b)
+        if common and len(common[0]) < max(a["seeds"], b["seeds"]):  # the same seeds only
+            on = ", ".join(map(str, common[0]))
+            paired = common[1][0] - common[1][1]
             return f"{paired:+.4f} nats on seed {on} (one seed on a side: no verdict yet)"
         return f"{diff:+.4f} nats (one seed on a side: no verdict yet)"
     spread = max(a["spread"], b["spread"])
