@@ -110,4 +110,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mixture_of_depths.cli import exit_with
+
+    exit_with(main())

@@ -10,10 +10,11 @@ into its line and 128 + the signal's number (143 for SIGTERM, 130 for SIGINT).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from ..runtime.distributed import env_from_torchrun
 from ..runtime.malloc import keep_freed_memory
@@ -83,4 +84,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["COMMANDS", "Command", "build_parser", "main"]
+def entry() -> NoReturn:
+    """The `mod` executable (and ``python -m mixture_of_depths``): `main`, then `exit_with`."""
+    exit_with(main())
+
+
+def exit_with(code: int) -> NoReturn:
+    """Exit with `code`. A torchrun worker leaves with ``os._exit`` once its output is flushed:
+    its work is done and saved by then (the ranks met at a barrier and the process group is
+    destroyed), but FSDP2's device mesh keeps gloo objects alive into interpreter shutdown,
+    where their threads can end in any order and abort a finished rank ("terminate called
+    without an active exception", exit -6), which torchrun reports as a failed job."""
+    if env_from_torchrun().active:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
+__all__ = ["COMMANDS", "Command", "build_parser", "entry", "exit_with", "main"]
