@@ -204,3 +204,24 @@ def test_one_seed_against_two_is_told_on_the_seed_both_trained():
     two = {"seeds": 2, "loss": 3.1, "spread": 0.2, "by_seed": {0: 3.0, 1: 3.2}}
     one = {"seeds": 1, "loss": 2.9, "spread": 0.0, "by_seed": {0: 2.9}}
     assert against(two, one).startswith("+0.1000 nats on seed 0 ")  # not the means' +0.2000
+
+
+def test_the_gap_closed_names_the_seeds_it_stands_on(tmp_path):
+    """An arm with three seeds against a MoD with two closes the gap on the two they share,
+    and the report says two, not three."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+    losses = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12), "mlp": (2.62, 2.70, 2.52)}
+    filler = {"tokens": 1, "steps": 1, "params": 1, "tokens_per_s": 1.0}
+    rows = [
+        {**dataclasses.asdict(sp), "model": {**sp.model, "vocab_size": 4096},
+         "val_loss_causal": v, "val_loss_topk": v, **filler}
+        for tag, vs in losses.items()
+        for seed, v in enumerate(vs)
+        for sp in [planning.spec_of(s, arm[tag], seed)]
+    ]  # fmt: skip
+    rpt.write_report(rows, tmp_path, s)
+    line = next(li for li in (tmp_path / "report.md").read_text().splitlines()
+                if li.startswith(f"- {arm['mlp'].label}: closes"))  # fmt: skip
+    mod, dense, mlp = (sum(losses[t][:2]) / 2 for t in ("mod", "dense", "mlp"))
+    assert f"closes {(mod - mlp) / (mod - dense):.0%} of the gap on the 2 seeds it shares" in line

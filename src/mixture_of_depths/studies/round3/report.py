@@ -149,6 +149,8 @@ def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str],
         if dense and mod and label not in (DENSE_LABEL, MOD_LABEL):
             closed = gap_closed(a, mod, dense)
         a.update(vs_dense=vs, gap_closed=closed)
+        if closed is not None:  # how many seeds the share stands on: those all three trained
+            a["gap_seeds"] = len((common_seeds(a, mod, dense) or ([], []))[0])
         each = ", ".join(f"{v:.4f}" for v in a["losses"])
         lines.append(
             f"| {label} | {a['seeds']} | {each} | {a['loss']:.4f} | {a['spread']:.3f} | "
@@ -157,6 +159,10 @@ def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str],
             f"{a['tokens'] / 1e6:.1f}M |"
         )
     return lines, arms
+
+
+def _seeds_text(n: int) -> str:
+    return "the seed" if n == 1 else f"the {n} seeds"
 
 
 def _reach_text(a: dict[str, Any]) -> str:
@@ -235,9 +241,8 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
     for label, a in arms.items():
         if a.get("gap_closed") is not None:
             lines.append(
-                f"- {label}: closes {a['gap_closed']:.0%} of the gap on its "
-                f"seed{'s' if a['seeds'] != 1 else ''} ({a['seeds']}; MoD's and dense's same "
-                "seeds); "
+                f"- {label}: closes {a['gap_closed']:.0%} of the gap on "
+                f"{_seeds_text(a['gap_seeds'])} it shares with MoD and dense; "
                 f"against dense: {against(a, dense)}"
             )
     bare = next((arms[a.label] for a in ARMS if a.arch == "bare" and a.label in arms), None)
