@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Long contexts: small at 1024 tokens with only the MLP routed, attention for every token,
     # and its dense twin. Round 3 of the study (docs/study/round3, d_model 96 and 4 layers, not
     # this shape): at 1024 tokens MoD with routed attention was 13% behind dense at equal FLOPs,
-    # MLP-only routing level with dense or ahead (-2.6% in the mean of two seeds, inside the
+    # MLP-only routing level with dense or ahead (-4.1% in the mean of three seeds, inside its
     # spread).
     "small-long": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "DR", "routing": "mlp"},
     "small-long-dense": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "D"},
