@@ -87,10 +87,17 @@ def two_arms(monkeypatch: pytest.MonkeyPatch, tmp_path):
     return str(data)
 
 
-def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch):
+def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch, capsys):
     out, work = tmp_path / "out", tmp_path / "work"
     rows = running.run(out, work, quick=True, data=two_arms, progress=False)
     assert [r["label"] for r in rows] == ["dense XS", "MoD S (round 2's arm)"]
+    # without a bar, a line per run: its loss, the count done and still planned, its time
+    lines = [li for li in capsys.readouterr().out.splitlines() if ": causal loss " in li]
+    assert [li.split(" (")[1].split(";")[0] for li in lines] == [
+        "1 runs done, 1 more planned so far",
+        "2 runs done, 0 more planned so far",
+    ]
+    assert lines[0].startswith(f"{rows[0]['name']}: causal loss {rows[0]['val_loss_causal']:.4f}")
     for r in rows:
         assert r["copy_probe"]["score"] == pytest.approx(
             r["copy_probe"]["loss_first"] - r["copy_probe"]["loss_second"]

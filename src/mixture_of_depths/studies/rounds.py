@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..config import MoDConfig
 from ..fileio import json_text
 from ..runtime.runlock import RunLock, RunLockedError
-from .runner import Folders, RunSpec, load_results, run_one
+from .runner import Folders, RunSpec, finished_line, load_results, run_one
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ def run(
                 continue  # finished by another worker between our reading and our claim
             bar.total = len(done) + len(pending)
             bar.set_postfix_str(spec.name)
+            started = time.monotonic()
             row, folder = result_of(study, spec, s, results, out, work, data, progress)
             with waiting_lock(claims, "results"):  # one writer of the file and the report
                 append_row(results_path, row)
@@ -98,8 +99,8 @@ def run(
             bar.update(1)
             if worker is not None or not progress:  # where no bar shows it
                 who = "" if worker is None else f"[worker {worker}] "
-                print(f"{who}{row['name']}: causal loss "
-                      f"{row['val_loss_causal']:.4f}", flush=True)  # fmt: skip
+                took = time.monotonic() - started
+                print(who + finished_line(row, len(results), len(pending) - 1, took), flush=True)
             if folder is not None:  # trained here, not reused
                 new += 1
                 shutil.rmtree(folder, ignore_errors=True)

@@ -267,6 +267,14 @@ def steps_for_budget(
     return lo, w, spent
 
 
+def finished_line(row: dict[str, Any], done: int, to_go: int, seconds: float) -> str:
+    """A background study's line per finished run: its loss, how far the study is (the runs
+    planned so far: later seeds join as results call for them) and how long the run took."""
+    took = f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
+    return (f"{row['name']}: causal loss {row['val_loss_causal']:.4f} ({done} runs done, "
+            f"{to_go} more planned so far; this one took {took})")  # fmt: skip
+
+
 def load_results(path: Path) -> list[dict[str, Any]]:
     """The rows of a results (or metrics) file, [] if there is none; a line cut short by a crash
     is skipped, and a row from before the predictor default gets the routing it trained with."""
@@ -337,6 +345,7 @@ def study(
         spec = pending.pop(0)
         if spec.name not in done:
             bar.set_postfix_str(spec.name)
+            started = time.monotonic()
             row = run_one(spec, settings, work, data, progress)
             with results_path.open("a") as fh:
                 fh.write(json_text(row) + "\n")
@@ -344,8 +353,8 @@ def study(
             done.add(spec.name)
             bar.update(1)
             if not progress:  # a log line per run where no bar shows it (a background study)
-                print(f"{spec.name}: causal loss {row['val_loss_causal']:.4f} "
-                      f"({len(done)} runs done)", flush=True)  # fmt: skip
+                to_go = sum(sp.name not in done for sp in pending)
+                print(finished_line(row, len(done), to_go, time.monotonic() - started), flush=True)
             plan.report(results, out, settings)
             if not keep_checkpoints and plan.finish is None:
                 shutil.rmtree(work / spec.name, ignore_errors=True)
