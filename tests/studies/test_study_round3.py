@@ -94,7 +94,7 @@ def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch, caps
     # without a bar, a line per run: its loss, the count done and still planned, its time
     lines = [li for li in capsys.readouterr().out.splitlines() if ": causal loss " in li]
     assert [li.split(" (")[1].split(";")[0] for li in lines] == [
-        "1 runs done, 1 more planned so far",
+        "1 run done, 1 more planned so far",
         "2 runs done, 0 more planned so far",
     ]
     assert lines[0].startswith(f"{rows[0]['name']}: causal loss {rows[0]['val_loss_causal']:.4f}")

@@ -10,8 +10,10 @@ into its line and 128 + the signal's number (143 for SIGTERM, 130 for SIGINT).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -85,8 +87,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The `mod` executable (and ``python -m mixture_of_depths``): `main`, then `exit_with`."""
-    exit_with(main())
+    """The `mod` executable (and ``python -m mixture_of_depths``): `main`, then `exit_with`.
+    Under torchrun an error `main` does not turn into a status is printed and ends the worker
+    with status 1 the same way, rather than in interpreter shutdown."""
+    try:
+        code = main()
+    except Exception:
+        if not _torchrun_worker():
+            raise
+        traceback.print_exc()
+        code = 1
+    exit_with(code)
 
 
 def exit_with(code: int) -> NoReturn:
@@ -95,11 +106,21 @@ def exit_with(code: int) -> NoReturn:
     destroyed), but FSDP2's device mesh keeps gloo objects alive into interpreter shutdown,
     where their threads can end in any order and abort a finished rank ("terminate called
     without an active exception", exit -6), which torchrun reports as a failed job."""
-    if env_from_torchrun().active:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    if _torchrun_worker():
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe: exit all the same
+                stream.flush()
         os._exit(code)
     raise SystemExit(code)
+
+
+def _torchrun_worker() -> bool:
+    """Whether this process is one of several torchrun workers; malformed torchrun variables
+    are `train`'s error to report, not a reason to fail a command at its exit."""
+    try:
+        return env_from_torchrun().active
+    except ValueError:
+        return False
 
 
 __all__ = ["COMMANDS", "Command", "build_parser", "entry", "exit_with", "main"]

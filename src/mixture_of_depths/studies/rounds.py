@@ -99,8 +99,10 @@ def run(
             bar.update(1)
             if worker is not None or not progress:  # where no bar shows it
                 who = "" if worker is None else f"[worker {worker}] "
+                names = {r["name"] for r in results}  # every worker's rows, this one's too
+                to_go = sum(sp.name not in names for sp in study.plan(s, results))
                 took = time.monotonic() - started
-                print(who + finished_line(row, len(results), len(pending) - 1, took), flush=True)
+                print(who + finished_line(row, len(names), to_go, took), flush=True)
             if folder is not None:  # trained here, not reused
                 new += 1
                 shutil.rmtree(folder, ignore_errors=True)

@@ -271,7 +271,8 @@ def finished_line(row: dict[str, Any], done: int, to_go: int, seconds: float) ->
     """A background study's line per finished run: its loss, how far the study is (the runs
     planned so far: later seeds join as results call for them) and how long the run took."""
     took = f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
-    return (f"{row['name']}: causal loss {row['val_loss_causal']:.4f} ({done} runs done, "
+    runs = "run" if done == 1 else "runs"
+    return (f"{row['name']}: causal loss {row['val_loss_causal']:.4f} ({done} {runs} done, "
             f"{to_go} more planned so far; this one took {took})")  # fmt: skip
 
 

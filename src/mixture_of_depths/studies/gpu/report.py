@@ -74,7 +74,8 @@ def reading(arms: dict[str, dict[str, Any]]) -> list[str]:
     for lab, a in arms.items():
         if a.get("gap_closed") is not None:
             lines.append(
-                f"- {lab}: closes {a['gap_closed']:.0%} of the gap "
-                f"({a['loss']:.4f}, spread {a['spread']:.3f}, {a['seeds']} seeds)"
+                f"- {lab}: closes {a['gap_closed']:.0%} of the gap on the {a['gap_seeds']} "
+                f"seed(s) it shares with MoD and dense (its own: {a['loss']:.4f} over "
+                f"{a['seeds']} seeds, spread {a['spread']:.3f})"
             )
     return [*lines, ""]
