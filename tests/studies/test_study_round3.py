@@ -211,6 +211,9 @@ def test_one_seed_against_two_is_told_on_the_seed_both_trained():
     two = {"seeds": 2, "loss": 3.1, "spread": 0.2, "by_seed": {0: 3.0, 1: 3.2}}
     one = {"seeds": 1, "loss": 2.9, "spread": 0.0, "by_seed": {0: 2.9}}
     assert against(two, one).startswith("+0.1000 nats on seed 0 ")  # not the means' +0.2000
+    three = {"seeds": 3, "loss": 2.8, "spread": 0.3, "by_seed": {0: 2.7, 1: 2.7, 2: 3.0}}
+    # two seeds against three: the two they share (+0.4000), not the means (+0.3000)
+    assert against(two, three).startswith("+0.4000 nats on seeds 0, 1, worse beyond")
 
 
 def test_the_gap_closed_names_the_seeds_it_stands_on(tmp_path):

@@ -318,7 +318,8 @@ def arm_summary_losses(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def against(a: dict[str, Any], b: dict[str, Any]) -> str:
     """`a`'s mean loss against `b`'s, judged against the larger of their seed spreads (the
-    range over seeds): a verdict needs two seeds on both sides."""
+    range over seeds): a verdict needs two seeds on both sides. Where their seeds differ, the
+    difference is taken on the seeds both trained (`common_seeds`)."""
     diff = a["loss"] - b["loss"]
     if a["seeds"] < 2 or b["seeds"] < 2:
         common = common_seeds(a, b)
@@ -327,10 +328,16 @@ def against(a: dict[str, Any], b: dict[str, Any]) -> str:
             paired = common[1][0] - common[1][1]
             return f"{paired:+.4f} nats on seed {on} (one seed on a side: no verdict yet)"
         return f"{diff:+.4f} nats (one seed on a side: no verdict yet)"
+    on = ""
+    common = common_seeds(a, b)
+    if common and len(common[0]) >= 2 and len(common[0]) < max(a["seeds"], b["seeds"]):
+        # a seed fixes the data order and the initial weights: compare what both trained
+        diff = common[1][0] - common[1][1]
+        on = f" on seeds {', '.join(map(str, common[0]))}"
     spread = max(a["spread"], b["spread"])
     side = "better" if diff < 0 else "worse"
     word = "within the seed spread" if abs(diff) <= spread else f"{side} beyond the seed spread"
-    return f"{diff:+.4f} nats, {word} ({spread:.4f})"
+    return f"{diff:+.4f} nats{on}, {word} ({spread:.4f})"
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
