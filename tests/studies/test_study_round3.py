@@ -235,3 +235,22 @@ def test_the_gap_closed_names_the_seeds_it_stands_on(tmp_path):
                 if li.startswith(f"- {arm['mlp'].label}: closes"))  # fmt: skip
     mod, dense, mlp = (sum(losses[t][:2]) / 2 for t in ("mod", "dense", "mlp"))
     assert f"closes {(mod - mlp) / (mod - dense):.0%} of the gap on the 2 seeds it shares" in line
+
+
+def test_each_architecture_is_compared_at_its_best_learning_rate():
+    """Whether round 2 compared untuned arms: the best of each architecture's learning rates
+    against the other's best, not the reference pair."""
+
+    def arm(losses):
+        return {"seeds": len(losses), "loss": sum(losses) / len(losses),
+                "spread": max(losses) - min(losses),
+                "by_seed": dict(enumerate(losses))}  # fmt: skip
+
+    by_tag = {a.tag: a.label for a in planning.ARMS}
+    arms = {by_tag["dense"]: arm([2.70, 2.72]), by_tag["mod"]: arm([3.10, 3.12])}
+    assert rpt.learning_rates(arms) == []  # no lr arm yet: nothing to say
+    arms[by_tag["dense-lr1e-3"]] = arm([3.20, 3.22])  # worse: dense's best stays at 2e-3
+    arms[by_tag["mod-lr4e-3"]] = arm([2.60, 2.62])
+    (line,) = rpt.learning_rates(arms)
+    assert "MoD S at 0.004 against dense XS at 0.002: -0.1000 nats" in line
+    assert "better beyond the seed spread" in line

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from ...fileio import atomic_write_text, json_text
+from ...train.config import TrainConfig
 from ..plots import pyplot
 from .planning import ARMS, FULL, Round3Settings, own_rows, plan
 
 DENSE_LABEL, MOD_LABEL = ARMS[0].label, ARMS[1].label
+BASE_LR: float = TrainConfig.lr  # the peak learning rate of every arm without one of its own
 
 
 def by_arm(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -146,8 +148,8 @@ def deciding_table(out: Path, results: list[dict[str, Any]]) -> tuple[list[str],
         if dense:  # on the seeds both trained, as the gap (`gap_closed`)
             x, d = (common_seeds(a, dense) or ([], [a["loss"], dense["loss"]]))[1]
             vs = x / d - 1
-        if dense and mod and label not in (DENSE_LABEL, MOD_LABEL):
-            closed = gap_closed(a, mod, dense)
+        if dense and mod and label not in (DENSE_LABEL, MOD_LABEL) and not _is_dense(label):
+            closed = gap_closed(a, mod, dense)  # a dense arm closes no gap: it moves one end
         a.update(vs_dense=vs, gap_closed=closed)
         if closed is not None:  # how many seeds the share stands on: those all three trained
             a["gap_seeds"] = len((common_seeds(a, mod, dense) or ([], []))[0])
@@ -245,6 +247,10 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
                 f"{_seeds_text(a['gap_seeds'])} it shares with MoD and dense; "
                 f"against dense: {against(a, dense)}"
             )
+    for label, a in arms.items():
+        if _is_dense(label) and label != DENSE_LABEL:
+            lines.append(f"- {label}: against dense XS at {BASE_LR:g}: {against(a, dense)}")
+    lines += learning_rates(arms)
     bare = next((arms[a.label] for a in ARMS if a.arch == "bare" and a.label in arms), None)
     if bare is not None:
         lines.append(
@@ -267,6 +273,33 @@ def _reading(arms: dict[str, dict[str, Any]]) -> list[str]:
                 f"{c['loss_before']:.4f} | {c['loss_after']:.4f} |"
             )
     return lines
+
+
+def _is_dense(label: str) -> bool:
+    return any(a.arch == "dense" for a in ARMS if a.label == label)
+
+
+def learning_rates(arms: dict[str, dict[str, Any]]) -> list[str]:
+    """Each architecture at its best learning rate of those tried (round 2's 2e-3, the reference
+    arms, and the lr arms), the best MoD against the best dense: whether round 2 compared
+    untuned arms. Empty until an lr arm has a row."""
+    if not any(a.lr is not None and a.label in arms for a in ARMS):
+        return []
+    best: dict[str, tuple[float, dict[str, Any]]] = {}
+    for ref in ARMS[:2]:  # dense XS and MoD S at the round's learning rate, then their lr arms
+        tried = [(ref.lr or BASE_LR, ref)] + [
+            (a.lr, a) for a in ARMS if a.lr is not None and a.arch == ref.arch and not a.over
+        ]
+        have = [(lr, arms[a.label]) for lr, a in tried if a.label in arms]
+        if have:
+            best[ref.arch] = min(have, key=lambda t: t[1]["loss"])
+    if len(best) < 2:
+        return []
+    (d_lr, d), (m_lr, m) = best["dense"], best["MoD"]
+    return [
+        f"- each at its best learning rate so far: MoD S at {m_lr:g} against dense XS at "
+        f"{d_lr:g}: {against(m, d)}"
+    ]
 
 
 def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
