@@ -103,8 +103,10 @@ ARMS: tuple[Arm, ...] = (
     Arm("MoD S, capacity 50%", "cap50", "MoD", {"capacity": 0.5}),
     Arm("dense XS, lr 1e-3", "dense-lr1e-3", "dense", {}, lr=1e-3),
     Arm("dense XS, lr 4e-3", "dense-lr4e-3", "dense", {}, lr=4e-3),
-    Arm("MoD S, lr 1e-3", "mod-lr1e-3", "MoD", {}, lr=1e-3),
+    # 4e-3 first: dense at 1e-3 stayed flat past place 32 as MoD does at 2e-3 (seed 0), so a
+    # higher rate is the one that could take MoD through the same transition
     Arm("MoD S, lr 4e-3", "mod-lr4e-3", "MoD", {}, lr=4e-3),
+    Arm("MoD S, lr 1e-3", "mod-lr1e-3", "MoD", {}, lr=1e-3),
     # deciding since MLP-only routing (attention for every token in all 4 layers) overtook dense
     # at seed 0: whether 2 layers of attention for every token learn to look back is the question
     Arm("MoD S without its routed blocks (2 dense layers)", "bare", "bare", {}, deciding=True),
