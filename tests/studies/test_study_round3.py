@@ -192,6 +192,36 @@ def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp
     assert "dense XS, 5e13 FLOPs" in "\n".join(rpt.follow_up_table(rows))
 
 
+def test_a_better_dense_rate_is_the_reference_at_its_best_not_a_variant():
+    """A dense learning rate that beats the reference closes no gap and never leads (its seeds
+    would crowd out the MoD runs that ask whether MoD gains from a rate too), but as the reference
+    at its best it gets the deciding seeds; within a seed the lr arms come first."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+    rows = [
+        {**dataclasses.asdict(planning.spec_of(s, arm[t], seed)), "val_loss_causal": v}
+        for t, by_seed in (("dense", (2.75, 2.72, 2.71)), ("mod", (3.07, 3.12, 3.09)),
+                           ("dense-lr4e-3", (2.57,)), ("st", (3.07,)))
+        for seed, v in enumerate(by_seed)
+    ]  # fmt: skip
+    assert not planning.leading(rows, arm["dense-lr4e-3"])
+    names = [sp.name for sp in planning.plan(s, rows)]
+
+    def at(tag, seed):
+        return names.index(planning.spec_of(s, arm[tag], seed).name)
+
+    assert at("mod-lr4e-3", 0) < at("mlp-lr4e-3", 0) < at("dense-lr4e-3", 1)  # not seed 1 first
+    assert at("mod-lr4e-3", 1) < at("st", 1)  # the lr arms first within a seed
+    assert planning.spec_of(s, arm["dense-lr4e-3"], 2).name in names
+    assert planning.spec_of(s, arm["dense-lr1e-3"], 2).name not in names
+    # a MoD rate that beats dense the same way is a variant that closes the gap: it leads
+    rows.append({**dataclasses.asdict(planning.spec_of(s, arm["mod-lr4e-3"], 0)),
+                 "val_loss_causal": 2.70})  # fmt: skip
+    assert planning.leading(rows, arm["mod-lr4e-3"])
+    names = [sp.name for sp in planning.plan(s, rows)]
+    assert at("mod-lr4e-3", 1) < min(at("mod", 1), at("mlp-lr4e-3", 0))  # with the deciding runs
+
+
 def test_an_arm_closes_the_gap_of_its_own_seeds():
     """One seed of an arm is judged against MoD's and dense's same seed (the same data order
     and initial weights), not their means over seeds it did not train."""
@@ -252,5 +282,23 @@ def test_each_architecture_is_compared_at_its_best_learning_rate():
     arms[by_tag["dense-lr1e-3"]] = arm([3.20, 3.22])  # worse: dense's best stays at 2e-3
     arms[by_tag["mod-lr4e-3"]] = arm([2.60, 2.62])
     (line,) = rpt.learning_rates(arms)
-    assert "MoD S at 0.004 against dense XS at 0.002: -0.1000 nats" in line
+    assert (
+        "MoD S at its best learning rate so far (0.004) against dense XS at its best "
+        "(0.002): -0.1000 nats" in line
+    )
     assert "better beyond the seed spread" in line
+    # a variant with lr arms in the plan is held to dense's best too, even before its own run
+    arms[by_tag["mlp"]] = arm([2.66, 2.68])
+    arms[by_tag["dense-lr4e-3"]] = arm([2.50, 2.52])
+    mod, mlp = rpt.learning_rates(arms)
+    assert (
+        "MoD S at its best learning rate so far (0.004) against dense XS at its best "
+        "(0.004): +0.1000 nats" in mod
+    )
+    assert (
+        "MoD S, routing=mlp at the only learning rate tried yet (0.002) against dense XS "
+        "at its best (0.004): +0.1600 nats" in mlp
+    )
+    arms[by_tag["mlp-lr4e-3"]] = arm([2.40, 2.42])
+    _, mlp = rpt.learning_rates(arms)
+    assert "routing=mlp at its best learning rate so far (0.004)" in mlp and "-0.1000" in mlp

@@ -280,26 +280,49 @@ def _is_dense(label: str) -> bool:
 
 
 def learning_rates(arms: dict[str, dict[str, Any]]) -> list[str]:
-    """Each architecture at its best learning rate of those tried (round 2's 2e-3, the reference
-    arms, and the lr arms), the best MoD against the best dense: whether round 2 compared
-    untuned arms. Empty until an lr arm has a row."""
+    """Each architecture at its best learning rate of those tried (round 2's 2e-3 and the lr
+    arms): every MoD variant that has lr arms in the plan against dense's best, whether round 2
+    (and the variants at 2e-3) compared untuned arms. Empty until an lr arm has a row."""
     if not any(a.lr is not None and a.label in arms for a in ARMS):
         return []
-    best: dict[str, tuple[float, dict[str, Any]]] = {}
-    for ref in ARMS[:2]:  # dense XS and MoD S at the round's learning rate, then their lr arms
-        tried = [(ref.lr or BASE_LR, ref)] + [
-            (a.lr, a) for a in ARMS if a.lr is not None and a.arch == ref.arch and not a.over
-        ]
-        have = [(lr, arms[a.label]) for lr, a in tried if a.label in arms]
-        if have:
-            best[ref.arch] = min(have, key=lambda t: t[1]["loss"])
-    if len(best) < 2:
-        return []
-    (d_lr, d), (m_lr, m) = best["dense"], best["MoD"]
-    return [
-        f"- each at its best learning rate so far: MoD S at {m_lr:g} against dense XS at "
-        f"{d_lr:g}: {against(m, d)}"
+    best_dense = _best_lr(arms, "dense", {})
+    lines = []
+    for ref in ARMS:  # each MoD variant at the round's rate for which the plan tries others
+        tuned = [a for a in ARMS if a.lr is not None and a.arch == "MoD" and a.over == ref.over]
+        if ref.arch != "MoD" or ref.lr is not None or not tuned:
+            continue
+        best = _best_lr(arms, "MoD", ref.over)
+        if best is None or best_dense is None:
+            continue
+        (d_lr, _, d), (m_lr, n, m) = best_dense, best
+        name = "MoD S" if not ref.over else f"MoD S, {_over(ref.over)}"
+        rate = "its best learning rate so far" if n > 1 else "the only learning rate tried yet"
+        lines.append(
+            f"- {name} at {rate} ({m_lr:g}) against dense XS at its best ({d_lr:g}): "
+            f"{against(m, d)}"
+        )
+    return lines
+
+
+def _over(over: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in over.items())
+
+
+def _best_lr(
+    arms: dict[str, dict[str, Any]], arch: str, over: dict[str, Any]
+) -> tuple[float, int, dict[str, Any]] | None:
+    """Among the arms of `arch` with overrides `over` that have rows (the round's rate and the
+    lr arms): the learning rate with the lowest mean loss, how many rates have rows, and that
+    arm's summary; None when none has a row."""
+    tried = [
+        (a.lr or BASE_LR, arms[a.label])
+        for a in ARMS
+        if a.arch == arch and a.over == over and a.label in arms
     ]
+    if not tried:
+        return None
+    lr, best = min(tried, key=lambda t: t[1]["loss"])
+    return lr, len(tried), best
 
 
 def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
