@@ -212,6 +212,9 @@ def test_a_better_dense_rate_is_the_reference_at_its_best_not_a_variant():
 
     assert at("mod-lr4e-3", 0) < at("mlp-lr4e-3", 0) < at("dense-lr4e-3", 1)  # not seed 1 first
     assert at("mod-lr4e-3", 1) < at("st", 1)  # the lr arms first within a seed
+    # the reference at its best: its seeds once every arm has its first, before other seeds
+    assert max(at(t, 0) for t in ("st", "cap25", "mod-lr1e-3")) < at("dense-lr4e-3", 1)
+    assert at("dense-lr4e-3", 2) < min(at(t, 1) for t in ("dense-lr1e-3", "mod-lr4e-3", "st"))
     assert planning.spec_of(s, arm["dense-lr4e-3"], 2).name in names
     assert planning.spec_of(s, arm["dense-lr1e-3"], 2).name not in names
     # a MoD rate that beats dense the same way is a variant that closes the gap: it leads

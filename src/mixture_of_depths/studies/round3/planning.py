@@ -194,16 +194,16 @@ def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     arms seed by seed, so that what decides the conclusion has its seeds first; within a seed,
     dense and the leading arms first, and among the other arms the learning-rate arms first
     (whether round 2 compared untuned arms outranks the other hypotheses once dense gained from
-    a rate of its own). The third seed of every deciding arm, of any MoD arm that closes the gap
-    and of a dense rate that beats the reference (the reference at its best). Then the winner's
-    isoFLOP points (`follow_up`), once there is a winner. Arms the library cannot build yet are
-    left out until it can."""
+    a rate of its own). A dense rate that beats the reference is the reference at its best:
+    every verdict against dense hangs on it, so once every arm has its first seed, its other
+    seeds come next, up to the deciding arms' count. The third seed of every deciding arm and of
+    any MoD arm that closes the gap. Then the winner's isoFLOP points (`follow_up`), once there
+    is a winner. Arms the library cannot build yet are left out until it can."""
     arms = [a for a in ARMS if supported(a)]
     lead = [a for a in arms if leading(results, a)]
     arms = [*arms[:1], *lead, *(a for a in arms[1:] if a not in lead)]
     first, then = [], []
     for seed in sorted({*s.seeds, *s.deciding_seeds}):
-        seeded = []
         for arm in arms:
             more = arm.deciding or (arm.arch != "dense" and closes_the_gap(s, results, arm))
             tuned = arm.arch == "dense" and arm.lr is not None and closes_the_gap(s, results, arm)
@@ -211,9 +211,10 @@ def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
                 if more or arm in lead:
                     first.append(spec_of(s, arm, seed))
                 else:
-                    seeded.append((arm.lr is None, spec_of(s, arm, seed)))
-        then += [sp for _, sp in sorted(seeded, key=lambda t: t[0])]  # stable: ARMS order
-    return first + then + follow_up(s, results)
+                    key = (seed > min(s.seeds) and not tuned, seed, arm.lr is None)
+                    then.append((key, spec_of(s, arm, seed)))
+    then.sort(key=lambda t: t[0])  # stable: ARMS order within a key
+    return first + [sp for _, sp in then] + follow_up(s, results)
 
 
 # -- item 4: a variant that brings MoD within dense's seed spread, or ahead ---------------------
