@@ -136,3 +136,24 @@ def test_each_length_gets_its_second_seeds_before_the_next_lengths_grid(
     assert first == order[: len(first)]  # the small budget, its seeds and pair, before 5e13
     logged = [ln for ln in capsys.readouterr().out.splitlines() if ": causal loss " in ln]
     assert [ln.split(":")[0] for ln in logged] == order  # without a bar, a line per run
+
+
+def test_the_best_width_is_chosen_on_the_seeds_every_width_trained():
+    """The width whose seed 0 won got the second seed (`seed_specs`); a poor second seed must
+    not hand the cell to a width with one seed whose lone loss beats the two-seed mean."""
+    spec = next(sp for sp in mor.plan(mor.FULL) if sp.name.startswith("5e13-mor-er-XXS-T256"))
+
+    def row(size, seed, loss):
+        name = f"5e13-mor-er-{size}-T256-s{seed}"
+        return {**dataclasses.asdict(spec), "name": name, "seed": seed,
+                "val_loss_causal": loss, "params": 1}  # fmt: skip
+
+    results = [row("XXS", 0, 2.96), row("XS", 0, 2.98), row("XXS", 1, 3.23)]
+    assert [sp.name for sp in mor.seed_specs(results, 5e13, 256)] == ["5e13-mor-er-XXS-T256-s1"]
+    (cell,) = mor.cells(results).values()
+    assert cell["names"] == ["5e13-mor-er-XXS-T256-s0", "5e13-mor-er-XXS-T256-s1"]
+    assert cell["loss"] == pytest.approx((2.96 + 3.23) / 2) and cell["gap"] == pytest.approx(0.27)
+    # with the other width's seed 1 in too, both are judged on both seeds
+    results.append(row("XS", 1, 3.00))
+    (cell,) = mor.cells(results).values()
+    assert cell["names"][0] == "5e13-mor-er-XS-T256-s0"

@@ -206,18 +206,19 @@ def cells(
     """Per (budget, length, label): the best width's loss (mean over its seeds; only width
     `size` if given), its seed gap, unique parameters, FLOPs and KV bytes per token, the seed-0
     run's name ("name") and all its seeds' ("names"), and the decode speeds of the first of them
-    that `decode` (by run name) has ("timed": its name)."""
+    that `decode` (by run name) has ("timed": its name). The best width is chosen on the seeds
+    every width of the cell trained (seed 0: the one `seed_specs` chose by), never a one-seed
+    width against another's two-seed mean."""
     out: dict[tuple[float, int, str], dict[str, Any]] = {}
-    groups: dict[tuple[float, int, str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[float, int, str], dict[str, list[dict[str, Any]]]] = {}
     for r in results:
         if size is None or size_of(r) == size:
-            groups.setdefault((r["budget"], r["seq_len"], r["label"], size_of(r)), []).append(r)
-    for (b, T, label, _), rows in groups.items():
+            key = (r["budget"], r["seq_len"], r["label"])
+            groups.setdefault(key, {}).setdefault(size_of(r), []).append(r)
+    for (b, T, label), widths in groups.items():
+        rows = _best_width(widths)
         loss = mean_seeds(rows, "val_loss_causal")[label]
         by_seed = {r["seed"]: r["val_loss_causal"] for r in rows}
-        cell = out.get((b, T, label))
-        if cell is not None and cell["loss"] <= loss:
-            continue
         cfg = MoDConfig(**rows[0]["model"])
         est = estimate_flops(cfg, T, with_dense=False)
         takes = routed_takes(rows)
@@ -237,6 +238,18 @@ def cells(
             **({} if timed is None else {**timed, "name": names[0], "timed": timed["name"]}),
         }
     return out
+
+
+def _best_width(widths: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of the width with the lowest mean loss over the seeds all widths share (with no
+    seed shared, over each width's own seeds); a tie goes to the width with more seeds."""
+    shared = set.intersection(*({r["seed"] for r in rows} for rows in widths.values()))
+
+    def score(rows: list[dict[str, Any]]) -> tuple[float, int]:
+        on = [r["val_loss_causal"] for r in rows if not shared or r["seed"] in shared]
+        return sum(on) / len(on), -len(rows)
+
+    return min(widths.values(), key=score)
 
 
 def routed_takes(rows: list[dict[str, Any]]) -> list[float]:
