@@ -72,7 +72,12 @@ def signal_mid_run(
 ) -> subprocess.CompletedProcess:
     """Start `cmd`, send it `sig` once `out`'s log shows `after` training steps, and wait for it
     (every wait bounded)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a shell's background job inherits SIGINT ignored, and `mod train` leaves an ignored
+        # signal alone on purpose: give the child the default a terminal would
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 180
         log = out / "metrics.jsonl"
