@@ -236,9 +236,14 @@ def winner(s: Round3Settings, results: list[dict[str, Any]]) -> Arm | None:
     return None
 
 
+def over_text(over: dict[str, Any]) -> str:
+    """Overrides as "key=value, ..." ("" for none)."""
+    return ", ".join(f"{k}={v}" for k, v in over.items())
+
+
 def _over_text(arm: Arm) -> str:
-    over = {**arm.over, **({"lr": arm.lr} if arm.lr is not None else {})}
-    return ", ".join(f"{k}={v}" for k, v in over.items()) or "round 2's arm"
+    lr = {"lr": arm.lr} if arm.lr is not None else {}
+    return over_text({**arm.over, **lr}) or "round 2's arm"
 
 
 def iso_spec(s: Round3Settings, arm: Arm, budget: float, size: str, seed: int) -> RunSpec:

@@ -12,7 +12,7 @@ from typing import Any
 from ...fileio import atomic_write_text, json_text
 from ...train.config import TrainConfig
 from ..plots import pyplot
-from .planning import ARMS, FULL, Round3Settings, own_rows, plan
+from .planning import ARMS, FULL, Round3Settings, over_text, own_rows, plan
 
 DENSE_LABEL, MOD_LABEL = ARMS[0].label, ARMS[1].label
 BASE_LR: float = TrainConfig.lr  # the peak learning rate of every arm without one of its own
@@ -295,17 +295,13 @@ def learning_rates(arms: dict[str, dict[str, Any]]) -> list[str]:
         if best is None or best_dense is None:
             continue
         (d_lr, _, d), (m_lr, n, m) = best_dense, best
-        name = "MoD S" if not ref.over else f"MoD S, {_over(ref.over)}"
+        name = "MoD S" if not ref.over else f"MoD S, {over_text(ref.over)}"
         rate = "its best learning rate so far" if n > 1 else "the only learning rate tried yet"
         lines.append(
             f"- {name} at {rate} ({m_lr:g}) against dense XS at its best ({d_lr:g}): "
             f"{against(m, d)}"
         )
     return lines
-
-
-def _over(over: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in over.items())
 
 
 def _best_lr(
