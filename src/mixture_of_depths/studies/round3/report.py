@@ -171,6 +171,14 @@ def _reach_text(a: dict[str, Any]) -> str:
     return " ".join(f"{k} {v:.2f}" for k, v in (a.get("reach") or {}).items())
 
 
+# Runs share 2 CPU cores with another study and are paused for checks: their clocks are no
+# speed figure, and the table must not read as one.
+_THROUGHPUT_NOTE = (
+    "Train tok/s is each run's own wall clock, on CPU cores shared with other runs and with "
+    "pauses included: indicative only, not a speed figure (`mod bench` measures speed)."
+)
+
+
 def run_table(out: Path, results: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| run | steps | params | val loss top-k | causal | copy score | loss by place "
@@ -199,7 +207,7 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round3Settings) ->
     notes = out / "notes.md"
     if notes.exists():
         lines += [notes.read_text().strip(), ""]
-    lines += ["## Every run", "", *run_table(out, results), ""]
+    lines += ["## Every run", "", _THROUGHPUT_NOTE, "", *run_table(out, results), ""]
     lines += [f"{len(results)} runs done, {len(pending)} planned still to run."]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     atomic_write_text(out / "findings.json", json_text(arms, indent=1) + "\n")
