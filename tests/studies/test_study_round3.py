@@ -192,6 +192,41 @@ def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp
     assert "dense XS, 5e13 FLOPs" in "\n".join(rpt.follow_up_table(rows))
 
 
+def test_the_winners_isoflop_points_meet_dense_at_its_best_rate_once_it_has_every_seed():
+    """A dense rate that beats round 2's on every seed the reference trained is dense at its
+    best: the winner's points are trained beside it too, and the verdict takes the best dense
+    side; with a seed missing, round 2's rate stays dense's only side."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+
+    def _row(spec, loss):
+        return {**dataclasses.asdict(spec), "model": {**spec.model, "vocab_size": 4096},
+                "val_loss_causal": loss, "tokens": 1}  # fmt: skip
+
+    by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "mlp": (2.62, 2.70, 2.52),
+              "dense-lr4e-3": (2.57, 2.50), "dense-lr1e-3": (3.18,)}  # fmt: skip
+    rows = [_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+            for i, v in enumerate(vs)]  # fmt: skip
+    assert planning.winner(s, rows) == arm["mlp"]
+    assert planning.best_dense(rows) == arm["dense"]  # 4e-3 lacks seed 2: not judged yet
+    before = {sp.name for sp in planning.follow_up(s, rows)}
+    assert not any("dense-lr" in n for n in before)
+    rows.append(_row(planning.spec_of(s, arm["dense-lr4e-3"], 2), 2.52))
+    assert planning.best_dense(rows) == arm["dense-lr4e-3"]
+    follow = planning.follow_up(s, rows)
+    tuned = {sp.name for sp in follow} - before
+    assert tuned == {planning.iso_spec(s, arm["dense-lr4e-3"], 5e13, z, 0).name
+                     for z in ("XXS", "XS")}  # fmt: skip
+    for sp in (sp for sp in follow if sp.name in tuned):
+        assert sp.lr == 4e-3 and MoDConfig(**sp.model).is_dense and "lr 0.004" in sp.label
+    # the report's 1.5e14 verdict: the winner's best against dense's best, the tuned rate
+    at = [sp for sp in follow if sp.budget == 1.5e14 and sp.name.startswith("r3-iso-")]
+    rows += [_row(sp, 2.9) for sp in at if not rounds.twin(sp, rows)]
+    text = "\n".join(rpt.follow_up_table(rows))
+    assert "dense XS, lr 4e-3 |" in text
+    assert "against best dense XS, lr 4e-3:" in text
+
+
 def test_a_better_dense_rate_is_the_reference_at_its_best_not_a_variant():
     """A dense learning rate that beats the reference closes no gap and never leads (its seeds
     would crowd out the MoD runs that ask whether MoD gains from a rate too), but as the reference

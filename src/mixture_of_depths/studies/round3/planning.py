@@ -236,6 +236,24 @@ def winner(s: Round3Settings, results: list[dict[str, Any]]) -> Arm | None:
     return None
 
 
+def best_dense(results: list[dict[str, Any]]) -> Arm:
+    """Dense at its best learning rate: among the dense arms that trained every seed the
+    reference did, the one with the lowest mean causal loss on those seeds (the reference while
+    no other rate has them all). The winner's isoFLOP points are trained beside it too, so the
+    winner is compared with a tuned dense, not only with round 2's rate."""
+    rows = own_rows(results)
+    ref = {r["seed"] for r in rows if r["label"] == ARMS[0].label}
+    best, best_loss = ARMS[0], None
+    for arm in (a for a in ARMS if a.arch == "dense"):
+        losses = {r["seed"]: r["val_loss_causal"] for r in rows if r["label"] == arm.label}
+        if not ref or not ref <= set(losses):
+            continue
+        loss = sum(losses[seed] for seed in ref) / len(ref)
+        if best_loss is None or loss < best_loss:
+            best, best_loss = arm, loss
+    return best
+
+
 def over_text(over: dict[str, Any]) -> str:
     """Overrides as "key=value, ..." ("" for none)."""
     return ", ".join(f"{k}={v}" for k, v in over.items())
@@ -258,6 +276,7 @@ def iso_spec(s: Round3Settings, arm: Arm, budget: float, size: str, seed: int) -
         group="isoflop",
         # never an arm's label: these rows are the winner's points, judged apart (`own_rows`)
         label=(f"dense {size}" if arm.arch == "dense" else f"MoD {size}, {_over_text(arm)}")
+        + (f", lr {arm.lr:g}" if arm.arch == "dense" and arm.lr is not None else "")
         + f", {budget_tag(budget)} FLOPs",
         budget=budget,
         model={"max_seq_len": s.grid.seq_len, **shape},
@@ -266,16 +285,20 @@ def iso_spec(s: Round3Settings, arm: Arm, budget: float, size: str, seed: int) -
 
 def follow_up(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     """With a `winner`: its isoFLOP points (the sizes of `FOLLOW_UP` at each budget) and dense's
-    where the round has none, seed 0; then a second seed for the best size of each (by causal
-    loss, once all its sizes ran). A point the round already trained (the winner at its own
-    size and budget) is reused, not trained again (`rounds.twin`)."""
+    where the round has none, seed 0, dense at round 2's rate and, where another rate beat it,
+    at its best (`best_dense`); then a second seed for the best size of each (by causal loss,
+    once all its sizes ran). A point the round already trained (the winner at its own size and
+    budget) is reused, not trained again (`rounds.twin`)."""
     arm = winner(s, results)
     if arm is None or s is not FULL:
         return []
     done = {r["name"]: r for r in results}
+    tuned = best_dense(results)
     specs = []
     for budget, sizes, dense_sizes in FOLLOW_UP:
-        for who, names in ((arm, sizes), (ARMS[0], dense_sizes)):
+        sides = [(arm, sizes), (ARMS[0], dense_sizes)]
+        sides += [(tuned, dense_sizes)] if tuned is not ARMS[0] else []
+        for who, names in sides:
             firsts = [iso_spec(s, who, budget, size, 0) for size in names]
             specs += firsts
             if firsts and all(sp.name in done for sp in firsts):
