@@ -120,7 +120,7 @@ def long_context_note(cfg: MoDConfig, seq_len: int) -> str | None:
     """Advice for a model whose routed layers route attention, trained on long sequences: at
     1024 tokens the third round of the study found such a model far behind dense at equal FLOPs,
     and the same model with only the MLP routed level with dense within the seed spread, at each
-    one's best learning rate so far (docs/semantics.md)."""
+    one's best learning rate (docs/semantics.md)."""
     if seq_len < LONG_CONTEXT or not cfg.routed_layers or cfg.routing == "mlp":
         return None
     return (
