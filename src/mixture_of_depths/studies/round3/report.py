@@ -406,26 +406,30 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     """round3.png: copy score against tokens seen, loss by place, gate p50 against tokens, and
     how far back each layer's attention looks."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.6))
-    colors = {a.label: f"C{i % 10}" for i, a in enumerate(ARMS)}
+    fig, axes = plt.subplots(1, 4, figsize=(22, 5.6))
+    # more arms than colors: past the tenth, the colors come back dashed, so no two arms look alike
+    styles = {a.label: dict(color=f"C{i % 10}", ls="-" if i < 10 else "--")
+              for i, a in enumerate(ARMS)}  # fmt: skip
+    calls: list[str] = []  # the attention calls of the deepest model, for the last panel's ticks
     for label, rows in by_arm(results).items():
         for j, r in enumerate(rows):
             evals = evaluations(out, r["name"])
             tokens = [e["step"] * r["batch_size"] * r["seq_len"] / 1e6 for e in evals]
-            kw = dict(color=colors[label], alpha=1.0 if j == 0 else 0.35, lw=1.2)
+            kw = dict(**styles[label], alpha=1.0 if j == 0 else 0.35, lw=1.2)
             kw["label"] = label if j == 0 else None
             copy = [e.get("copy_probe", {}).get("score") for e in evals]
-            axes[0].plot(tokens, copy, "o-", ms=2.5, **kw)
+            axes[0].plot(tokens, copy, marker="o", ms=2.5, **kw)
             gates = [next(iter(e["routing_diag"].values()))["gate_chosen_p50"]
                      for e in evals if e.get("routing_diag")]  # fmt: skip
             if gates:
-                axes[2].plot(tokens[-len(gates) :], gates, "o-", ms=2.5, **kw)
-        _loss_by_place(axes[1], label, rows, colors[label])
+                axes[2].plot(tokens[-len(gates) :], gates, marker="o", ms=2.5, **kw)
+        _loss_by_place(axes[1], label, rows, styles[label])
         reach = reach_summary(rows)
         if reach:
-            axes[3].plot(range(len(reach)), list(reach.values()), "o-", ms=3,
-                         color=colors[label], label=label)  # fmt: skip
-            axes[3].set_xticks(range(len(reach)), list(reach), fontsize=7)
+            axes[3].plot(range(len(reach)), list(reach.values()), marker="o", ms=3,
+                         **styles[label], label=label)  # fmt: skip
+            calls = max(calls, list(reach), key=len)
+    axes[3].set_xticks(range(len(calls)), calls, fontsize=7)
     axes[0].set(xlabel="tokens seen (M)", ylabel="copy score (nats)", title="in-context copying")
     axes[1].set(xscale="log", xlabel="place in the context", ylabel="held-out loss (nats)",
                 title="loss by place (mean over seeds)")  # fmt: skip
@@ -435,19 +439,20 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
                 title="how far back attention looks (mean over seeds)")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6.5)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     tmp = out / ".round3.png.tmp"
     fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     tmp.replace(out / "round3.png")
 
 
-def _loss_by_place(ax: Any, label: str, rows: list[dict[str, Any]], color: str) -> None:
+def _loss_by_place(ax: Any, label: str, rows: list[dict[str, Any]], style: dict[str, Any]) -> None:
     profs = [r["loss_by_position"] for r in rows if r.get("loss_by_position")]
     if not profs:
         return
     edges = profs[0]["edges"]
     mids = [max(1, (a + b) / 2) for a, b in zip(edges, edges[1:], strict=False)]
     mean = [statistics.fmean(p["loss"][i] for p in profs) for i in range(len(mids))]
-    ax.plot(mids, mean, "o-", ms=3, color=color, label=label)
+    ax.plot(mids, mean, marker="o", ms=3, **style, label=label)
