@@ -20,7 +20,7 @@ from mixture_of_depths.studies.round3 import planning as r3
 from mixture_of_depths.studies.runner import budget_tag, steps_for_budget
 
 CORPUS = 9_227_312  # the default corpus's BPE training tokens under Python 3.11 (docs/bench.md)
-TAGS = ("dense", "mod", "residual", "mlp", "st", "bare", "mod-lr1e-3", "mod-lr4e-3")
+TAGS = ("dense", "mod", "residual", "mlp", "st", "bare", "dense-lr4e-3", "mod-lr1e-3", "mod-lr4e-3")
 
 
 def _timings(step_s: float, concurrency: int = 16) -> dict[str, gp.Timing]:
@@ -46,8 +46,8 @@ def test_the_deciding_arms_come_first_with_three_seeds_each_as_round_3_builds_th
     ]
     assert runs[: len(first)] == first  # the extras after them
     extras = {gp.tag_of(sp) for sp in runs[len(first) :]}
-    assert extras == {"st", "bare", "mod-lr1e-3", "mod-lr4e-3"}
-    assert len({sp.name for sp in runs}) == len(runs) == 21
+    assert extras == {"st", "bare", "dense-lr4e-3", "mod-lr1e-3", "mod-lr4e-3"}
+    assert len({sp.name for sp in runs}) == len(runs) == 23
     for sp in runs:
         cpu = r3.spec_of(r3.FULL, gp.arm(gp.tag_of(sp)), sp.seed)  # round 3's run on the CPU
         assert sp.name == f"gpu-{cpu.name}".replace(budget_tag(1.5e14), budget_tag(5e13))
@@ -83,7 +83,7 @@ def test_budgets_round_down_to_what_their_run_names_say(x, want):
 
 def test_a_fast_gpu_trains_every_arm_to_one_epoch_and_a_slow_one_fits_its_time():
     fast = gp.choose(gp.FULL, _timings(0.02), CORPUS, 4096, 360)
-    assert (fast.limit, fast.tiers, len(fast.specs)) == ("corpus", 3, 21)
+    assert (fast.limit, fast.tiers, len(fast.specs)) == ("corpus", 3, 23)
     assert fast.budget == fast.corpus_budget and fast.predicted_s <= 360
     assert all(_tokens(sp) <= CORPUS for sp in _per_arm(fast.specs))
     assert len({sp.budget for sp in fast.specs}) == 1  # the same FLOPs for every run

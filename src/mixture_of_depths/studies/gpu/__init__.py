@@ -4,9 +4,10 @@
     python -m mixture_of_depths.studies.gpu --dry-run     # every part on the CPU, tiny, < 60 s
     python -m mixture_of_depths.studies.gpu --minutes 6 --out /tmp/gpu
 
-Dense XS, MoD S (round 2's arm) and MoD S with residual KV, three seeds each; then, if time
-allows, the straight-through gate (three seeds) and MoD S at learning rates 1e-3 and 4e-3 (two
-each): round 3's models at 1024 tokens, in bf16 autocast. The corpus is prepared once (the BPE
+Dense XS, MoD S (round 2's arm), MoD S with residual KV and with only the MLP routed, three
+seeds each; then, if time allows, the straight-through gate (three seeds) and MoD S without its
+routed blocks (two), then dense XS at 4e-3 and MoD S at 1e-3 and 4e-3 (two each): round 3's
+models at 1024 tokens, in bf16 autocast. The corpus is prepared once (the BPE
 tokenizer, the token cache) and a timing pass (~30 s) times every run's model at once, sharing
 the GPU as the runs will; from it and the time left comes one training budget for every run,
 capped so that no run reads more tokens than the corpus's training split holds (one epoch;
