@@ -227,6 +227,24 @@ def test_the_winners_isoflop_points_meet_dense_at_its_best_rate_once_it_has_ever
     assert "against best dense XS, lr 4e-3:" in text
 
 
+def test_every_rate_of_a_variant_that_closes_the_gap_gets_the_deciding_seeds():
+    """MLP-only routing closes the gap at 2e-3; its verdict against a tuned dense is taken at its
+    best rate, so its 4e-3 arm gets a third seed, with the deciding runs; round 2's MoD arm's
+    rates, which close nothing, keep two."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+    by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "mlp": (2.62, 2.70, 2.52),
+              "mlp-lr4e-3": (3.21, 2.48), "mod-lr4e-3": (3.26, 3.00)}  # fmt: skip
+    rows = [_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+            for i, v in enumerate(vs)]  # fmt: skip
+    names = [sp.name for sp in planning.plan(s, rows)]
+    third = planning.spec_of(s, arm["mlp-lr4e-3"], 2).name
+    assert third in names and planning.spec_of(s, arm["mod-lr4e-3"], 2).name not in names
+    assert names.index(third) < names.index(planning.spec_of(s, arm["st"], 0).name)
+    rows = [r for r in rows if r["label"] != arm["mlp"].label]  # the variant not yet judged
+    assert third not in {sp.name for sp in planning.plan(s, rows)}
+
+
 def test_a_better_dense_rate_is_the_reference_at_its_best_not_a_variant():
     """A dense learning rate that beats the reference closes no gap and never leads (its seeds
     would crowd out the MoD runs that ask whether MoD gains from a rate too), but as the reference

@@ -164,6 +164,21 @@ def closes_the_gap(s: Round3Settings, results: list[dict[str, Any]], arm: Arm) -
     return means[arm.label] <= means[ARMS[0].label] + spread
 
 
+def closes_at_its_rate(s: Round3Settings, results: list[dict[str, Any]], arm: Arm) -> bool:
+    """Whether `arm` is another learning rate of a MoD variant that closes the gap: that
+    variant's verdict against a tuned dense is taken at its best rate, so each of its rates
+    needs the deciding seeds too."""
+    base = next(
+        (a for a in ARMS if a.over == arm.over and a.arch == arm.arch and a.lr is None), None
+    )
+    return (
+        arm.lr is not None
+        and base is not None
+        and base not in ARMS[:2]
+        and closes_the_gap(s, results, base)
+    )
+
+
 def own_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of the round's arms (group "round3"), not of the winner's isoFLOP points."""
     return [r for r in results if r.get("group") == "round3"]
@@ -197,15 +212,19 @@ def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     a rate of its own). A dense rate that beats the reference is the reference at its best:
     every verdict against dense hangs on it, so once every arm has its first seed, its other
     seeds come next, up to the deciding arms' count. The third seed of every deciding arm and of
-    any MoD arm that closes the gap. Then the winner's isoFLOP points (`follow_up`), once there
-    is a winner. Arms the library cannot build yet are left out until it can."""
+    any MoD arm that closes the gap, at each of its rates (`closes_at_its_rate`). Then the
+    winner's isoFLOP points (`follow_up`), once there is a winner. Arms the library cannot
+    build yet are left out until it can."""
     arms = [a for a in ARMS if supported(a)]
     lead = [a for a in arms if leading(results, a)]
     arms = [*arms[:1], *lead, *(a for a in arms[1:] if a not in lead)]
     first, then = [], []
     for seed in sorted({*s.seeds, *s.deciding_seeds}):
         for arm in arms:
-            more = arm.deciding or (arm.arch != "dense" and closes_the_gap(s, results, arm))
+            more = arm.deciding or (
+                arm.arch != "dense"
+                and (closes_the_gap(s, results, arm) or closes_at_its_rate(s, results, arm))
+            )
             tuned = arm.arch == "dense" and arm.lr is not None and closes_the_gap(s, results, arm)
             if seed in s.seeds or ((more or tuned) and seed in s.deciding_seeds):
                 if more or arm in lead:
