@@ -171,12 +171,7 @@ def closes_at_its_rate(s: Round3Settings, results: list[dict[str, Any]], arm: Ar
     base = next(
         (a for a in ARMS if a.over == arm.over and a.arch == arm.arch and a.lr is None), None
     )
-    return (
-        arm.lr is not None
-        and base is not None
-        and base not in ARMS[:2]
-        and closes_the_gap(s, results, base)
-    )
+    return arm.lr is not None and base is not None and closes_the_gap(s, results, base)
 
 
 def own_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
