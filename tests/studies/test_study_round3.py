@@ -245,6 +245,36 @@ def test_every_rate_of_a_variant_that_closes_the_gap_gets_the_deciding_seeds():
     assert third not in {sp.name for sp in planning.plan(s, rows)}
 
 
+def test_the_winners_isoflop_points_come_before_the_other_arms_later_seeds():
+    """Once a winner has its deciding seeds, its isoFLOP points test the conclusion; a second
+    seed of an arm whose first closed little of the gap only repeats a reading, so it waits.
+    Every arm's first seed still comes before the points."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+
+    def _row(spec, loss):
+        return {**dataclasses.asdict(spec), "model": {**spec.model, "vocab_size": 4096},
+                "val_loss_causal": loss}  # fmt: skip
+
+    by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "mlp": (2.62, 2.70, 2.52),
+              "dense-lr4e-3": (2.57, 2.53, 2.50), "mlp-lr4e-3": (3.21, 2.48, 2.41)}  # fmt: skip
+    rows = [_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+            for i, v in enumerate(vs)]  # fmt: skip
+    names = [sp.name for sp in planning.plan(s, rows)]
+    points = [sp.name for sp in planning.follow_up(s, rows) if not rounds.twin(sp, rows)]
+    assert points and set(points) <= set(names)
+    st0, st1 = (planning.spec_of(s, arm["st"], i).name for i in (0, 1))
+    assert names.index(st0) < min(map(names.index, points)) < names.index(st1)
+    # with every first seed and every deciding seed in, the points are next
+    done = {r["name"] for r in rows}
+    rows += [_row(sp, 3.07) for sp in planning.plan(s, rows) if sp.name not in {*points, *done}
+             and (sp.seed == 0 or planning.arm_of({"label": sp.label}).deciding)]  # fmt: skip
+    done = {r["name"] for r in rows}
+    pending = [sp.name for sp in planning.plan(s, rows)
+               if sp.name not in done and not rounds.twin(sp, rows)]  # fmt: skip
+    assert pending[: len(points)] == points and st1 in pending
+
+
 def test_a_better_dense_rate_is_the_reference_at_its_best_not_a_variant():
     """A dense learning rate that beats the reference closes no gap and never leads (its seeds
     would crowd out the MoD runs that ask whether MoD gains from a rate too), but as the reference

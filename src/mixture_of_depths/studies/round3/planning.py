@@ -208,8 +208,10 @@ def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     every verdict against dense hangs on it, so once every arm has its first seed, its other
     seeds come next, up to the deciding arms' count. The third seed of every deciding arm and of
     any MoD arm that closes the gap, at each of its rates (`closes_at_its_rate`). Then the
-    winner's isoFLOP points (`follow_up`), once there is a winner. Arms the library cannot
-    build yet are left out until it can."""
+    winner's isoFLOP points (`follow_up`), once there is a winner: they come before the other
+    arms' later seeds, which repeat readings that closed little of the gap, where the points
+    test the conclusion itself (issue 36, item 4). Arms the library cannot build yet are left
+    out until it can."""
     arms = [a for a in ARMS if supported(a)]
     lead = [a for a in arms if leading(results, a)]
     arms = [*arms[:1], *lead, *(a for a in arms[1:] if a not in lead)]
@@ -228,7 +230,9 @@ def plan(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
                     key = (seed > min(s.seeds) and not tuned, seed, arm.lr is None)
                     then.append((key, spec_of(s, arm, seed)))
     then.sort(key=lambda t: t[0])  # stable: ARMS order within a key
-    return first + [sp for _, sp in then] + follow_up(s, results)
+    readings = [sp for key, sp in then if not key[0]]  # first seeds, and a tuned dense's
+    repeats = [sp for key, sp in then if key[0]]
+    return first + readings + follow_up(s, results) + repeats
 
 
 # -- item 4: a variant that brings MoD within dense's seed spread, or ahead ---------------------
