@@ -18,6 +18,12 @@ def _row(spec, loss: float) -> dict:
     return {**dataclasses.asdict(spec), "val_loss_causal": loss}
 
 
+def _built_row(spec, loss: float) -> dict:
+    """A row as the runner writes it, with the model's vocabulary, so that `rounds.twin` can
+    rebuild its config."""
+    return {**_row(spec, loss), "model": {**spec.model, "vocab_size": 4096}, "tokens": 1}
+
+
 def test_round3_plans_each_arm_seed_by_seed_and_more_seeds_where_the_gap_closes():
     s = planning.FULL
     specs = planning.plan(s, [])
@@ -199,19 +205,15 @@ def test_the_winners_isoflop_points_meet_dense_at_its_best_rate_once_it_has_ever
     s = planning.FULL
     arm = {a.tag: a for a in planning.ARMS}
 
-    def _row(spec, loss):
-        return {**dataclasses.asdict(spec), "model": {**spec.model, "vocab_size": 4096},
-                "val_loss_causal": loss, "tokens": 1}  # fmt: skip
-
     by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "mlp": (2.62, 2.70, 2.52),
               "dense-lr4e-3": (2.57, 2.50), "dense-lr1e-3": (3.18,)}  # fmt: skip
-    rows = [_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+    rows = [_built_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
             for i, v in enumerate(vs)]  # fmt: skip
     assert planning.winner(s, rows) == arm["mlp"]
     assert planning.best_dense(rows) == arm["dense"]  # 4e-3 lacks seed 2: not judged yet
     before = {sp.name for sp in planning.follow_up(s, rows)}
     assert not any("dense-lr" in n for n in before)
-    rows.append(_row(planning.spec_of(s, arm["dense-lr4e-3"], 2), 2.52))
+    rows.append(_built_row(planning.spec_of(s, arm["dense-lr4e-3"], 2), 2.52))
     assert planning.best_dense(rows) == arm["dense-lr4e-3"]
     follow = planning.follow_up(s, rows)
     tuned = {sp.name for sp in follow} - before
@@ -221,7 +223,7 @@ def test_the_winners_isoflop_points_meet_dense_at_its_best_rate_once_it_has_ever
         assert sp.lr == 4e-3 and MoDConfig(**sp.model).is_dense and "lr 0.004" in sp.label
     # the report's 1.5e14 verdict: the winner's best against dense's best, the tuned rate
     at = [sp for sp in follow if sp.budget == 1.5e14 and sp.name.startswith("r3-iso-")]
-    rows += [_row(sp, 2.9) for sp in at if not rounds.twin(sp, rows)]
+    rows += [_built_row(sp, 2.9) for sp in at if not rounds.twin(sp, rows)]
     text = "\n".join(rpt.follow_up_table(rows))
     assert "dense XS, lr 4e-3 |" in text
     assert "against best dense XS, lr 4e-3:" in text
@@ -252,13 +254,9 @@ def test_the_winners_isoflop_points_come_before_the_other_arms_later_seeds():
     s = planning.FULL
     arm = {a.tag: a for a in planning.ARMS}
 
-    def _row(spec, loss):
-        return {**dataclasses.asdict(spec), "model": {**spec.model, "vocab_size": 4096},
-                "val_loss_causal": loss}  # fmt: skip
-
     by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "mlp": (2.62, 2.70, 2.52),
               "dense-lr4e-3": (2.57, 2.53, 2.50), "mlp-lr4e-3": (3.21, 2.48, 2.41)}  # fmt: skip
-    rows = [_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+    rows = [_built_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
             for i, v in enumerate(vs)]  # fmt: skip
     names = [sp.name for sp in planning.plan(s, rows)]
     points = [sp.name for sp in planning.follow_up(s, rows) if not rounds.twin(sp, rows)]
@@ -267,7 +265,8 @@ def test_the_winners_isoflop_points_come_before_the_other_arms_later_seeds():
     assert names.index(st0) < min(map(names.index, points)) < names.index(st1)
     # with every first seed and every deciding seed in, the points are next
     done = {r["name"] for r in rows}
-    rows += [_row(sp, 3.07) for sp in planning.plan(s, rows) if sp.name not in {*points, *done}
+    rows += [_built_row(sp, 3.07) for sp in planning.plan(s, rows)
+             if sp.name not in {*points, *done}
              and (sp.seed == 0 or planning.arm_of({"label": sp.label}).deciding)]  # fmt: skip
     done = {r["name"] for r in rows}
     pending = [sp.name for sp in planning.plan(s, rows)
