@@ -264,3 +264,18 @@ def test_convert_plan_trains_each_variant_and_times_it_beside_dense(tiny, tmp_pa
     # Resumable: a second call trains nothing and measures nothing again.
     again = convert.run(out, work, quick=True, data=data, progress=False)
     assert again == results
+
+
+@pytest.mark.parametrize("busy, warned", [(0.5, True), (0.05, False)])
+def test_a_decode_timing_records_and_flags_the_load_other_processes_put_on_the_cpus(
+    finished_run, monkeypatch: pytest.MonkeyPatch, capsys, busy: float, warned: bool
+):
+    corpus, run = finished_run
+    monkeypatch.setattr(measure, "DECODE_ROUNDS", 1)
+    monkeypatch.setattr(measure, "DECODE_NEW", 2)
+    # /proc/stat before and after: 10 CPU-seconds pass, this process uses 1 of them
+    snaps = iter([(0.0, 0.0, 0.0), (10.0, 1.0 + 10 * busy, 1.0)])
+    monkeypatch.setattr(measure, "cpu_snapshot", lambda: next(snaps))
+    speeds = measure.decode_speeds({"a": run / "checkpoint"}, 16, str(corpus))
+    assert speeds["a"]["others_busy"] == pytest.approx(busy)
+    assert ("skewed" in capsys.readouterr().out) is warned

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..bench.common import cpu_snapshot, others_busy
 from ..bench.decode import decode_run
 from ..data import eval_batches, load_splits, load_tokenizer
 from ..generate import prefill_calibration
@@ -22,6 +23,8 @@ from ..runtime.checkpoint import load_model
 DECODE_NEW = 128
 DECODE_BATCHES = (1, 8)
 DECODE_ROUNDS = 15
+# Above this share of the CPUs kept busy by other processes, a timing is flagged as skewed.
+BUSY_WARN = 0.1
 
 
 def val_tokens(ckpt: Path, data: str | None) -> torch.Tensor:
@@ -63,13 +66,16 @@ def decode_speeds(
     measured side by side: every round decodes once with each model, in an order that rotates
     every round, so drift and stray load hit all alike; the median over `DECODE_ROUNDS` rounds
     after a warm-up, and the spread (interquartile range / median). CPU, one thread; only the decode
-    steps are timed (`bench.decode.decode_run`)."""
+    steps are timed (`bench.decode.decode_run`). Each row also holds `others_busy`, the share of
+    the CPUs other processes used meanwhile (Linux; absent elsewhere), with a warning above
+    `BUSY_WARN`: a study training beside the timing skews it."""
     models = {name: load_model(c)[0].eval() for name, c in ckpts.items()}
     rows, new = prompts(val_tokens(next(iter(ckpts.values())), data), seq_len)
     names = list(models)
     secs: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in DECODE_BATCHES}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # decode ops are too small to share between threads
+    snapshot = cpu_snapshot()
     try:
         for b in DECODE_BATCHES:
             for rnd in range(DECODE_ROUNDS + 1):
@@ -80,6 +86,10 @@ def decode_speeds(
                         secs[name, b].append(took)
     finally:
         torch.set_num_threads(threads)
+    busy = others_busy(snapshot, cpu_snapshot())
+    if busy is not None and busy > BUSY_WARN:
+        print(f"decode speed: other processes kept {busy:.0%} of the CPUs busy during the timing; "
+              "the speeds are skewed: time again on an idle machine")  # fmt: skip
     out: dict[str, dict[str, float]] = {n: {} for n in names}
     for (name, b), ts in secs.items():
         med = statistics.median(ts)
@@ -87,4 +97,6 @@ def decode_speeds(
         out[name][f"decode_tok_s_b{b}"] = b * new / med
         # the interquartile range: robust to the odd round a shared machine stalls
         out[name][f"decode_spread_b{b}"] = (q3 - q1) / med
+        if busy is not None:
+            out[name]["others_busy"] = busy
     return out
