@@ -87,6 +87,9 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     speed = rows[mor.CLAIMS[-1][0]]
     assert speed.split(" ")[0].rstrip(":") in ("supported", "contradicted", "within"), speed
     assert "x at batch 8" in speed
+    loaded = {n: {**t, "others_busy": 0.3} for n, t in timed.items()}  # timed beside a study
+    speed = dict((c, v) for c, _, v in mor.claim_rows(results, loaded))[mor.CLAIMS[-1][0]]
+    assert "timed while other processes used 30% of the CPUs" in speed
     # KV bytes as routed: the cache at the causal take-rates each run measured, recomputed
     token = next(r for r in grid if r["label"] == "MoR token, shared KV")
     for r in (rec, token):

@@ -31,7 +31,7 @@ from ..fileio import atomic_write_text, json_text
 from ..flops import estimate_flops
 from ..runtime.checkpoint import resolve_checkpoint
 from ..train import CHECKPOINT_NAME, has_checkpoint
-from .measure import decode_speeds
+from .measure import BUSY_WARN, decode_speeds
 from .plots import pyplot
 from .runner import (
     Folders,
@@ -291,7 +291,9 @@ def _speed_verdict(c: dict, b: float, T: int) -> str:
         ratios.append(f"{ratio:.2f}x at batch {batch}")
         words.append("within" if abs(ratio - 1) <= noise else "faster" if ratio > 1 else "slower")
     word = {"faster": "supported", "slower": "contradicted"}.get(words[1], "within the spread")
-    return f"{word}: {', '.join(ratios)} (CPU, one thread; paper: GPU, large batches)"
+    busy = max(x.get("others_busy", 0.0), y.get("others_busy", 0.0))
+    skew = f"; timed while other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN else ""
+    return f"{word}: {', '.join(ratios)} (CPU, one thread; paper: GPU, large batches{skew})"
 
 
 # The claims with a speed verdict: MoR (expert, recursion KV) against dense
