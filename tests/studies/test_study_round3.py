@@ -171,19 +171,22 @@ def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp
     assert planning.winner(s, rows) == arm["mlp"]  # within dense's spread (0.05)
     follow = planning.follow_up(s, rows)
     assert {sp.budget for sp in follow} == {5e13, 1.5e14} and all(sp.seed == 0 for sp in follow)
+    joint = planning.iso_spec(s, arm["mod"], 5e13, "XS", 0)  # round 2's MoD led dense there
+    assert [sp.name for sp in follow if "round 2's arm" in sp.label] == [joint.name]
     for sp in follow:
         cfg = MoDConfig(**sp.model)
         if sp.label.startswith("dense"):
             assert cfg.is_dense and sp.capacity_warmup == 0.0
         else:
-            assert cfg.routing == "mlp" and sp.capacity_warmup == 0.1
+            want = "joint" if sp.name == joint.name else "mlp"
+            assert cfg.routing == want and sp.capacity_warmup == 0.1
         assert (sp.seq_len, sp.batch_size, sp.evaluations) == (1024, 4, 10)
     # the winner at its own size and budget is the round's run again (reused, not retrained)
     own = next(sp for sp in follow if sp.budget == 1.5e14 and sp.label.startswith("MoD S,"))
     assert "routing=mlp" in own.label
     assert rounds.twin(own, rows)["name"] == planning.spec_of(s, arm["mlp"], 0).name
     # once every size at a budget ran, its best gets a second seed
-    at = [sp for sp in follow if sp.budget == 5e13 and not sp.label.startswith("dense")]
+    at = [sp for sp in follow if sp.budget == 5e13 and "routing=mlp" in sp.label]
     rows += [_row(sp, v) for sp, v in zip(at, (3.6, 3.4, 3.5), strict=True)]
     more = {sp.name for sp in planning.follow_up(s, rows)} - {sp.name for sp in follow}
     assert more == {planning.iso_spec(s, arm["mlp"], 5e13, "XS", 1).name}
@@ -196,6 +199,11 @@ def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp
     assert not planning.closes_the_gap(s, rows, arm["residual"])
     assert rpt.deciding_table(tmp_path, rows)[1] == table
     assert "dense XS, 5e13 FLOPs" in "\n".join(rpt.follow_up_table(rows))
+    # round 2's MoD arm is a third side: judged against dense and against the winner
+    rows += [_row(joint, 3.2), _row(planning.iso_spec(s, arm["mod"], 5e13, "XS", 1), 3.25)]
+    text = "\n".join(rpt.follow_up_table(rows))
+    assert "best MoD XS, round 2's arm, 5e13 FLOPs against best dense" in text
+    assert "best MoD XS, routing=mlp, 5e13 FLOPs against best MoD XS, round 2's arm" in text
 
 
 def test_the_winners_isoflop_points_meet_dense_at_its_best_rate_once_it_has_every_seed():

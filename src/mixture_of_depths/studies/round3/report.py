@@ -329,9 +329,18 @@ def _best_lr(
     return lr, len(tried), best
 
 
+def _side(label: str) -> str:
+    """Which side of the isoFLOP points a row's label is on: dense, round 2's MoD arm (joint
+    routing), or the winner."""
+    if label.startswith("dense"):
+        return "dense"
+    return "joint" if label == MOD_LABEL or "round 2's arm" in label else "winner"
+
+
 def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
-    """The winner's isoFLOP points beside dense's (`planning.follow_up`): per budget, every
-    size with its seeds, and the best of each side against the other."""
+    """The winner's isoFLOP points beside dense's and round 2's MoD arm's
+    (`planning.follow_up`): per budget, every size with its seeds, and the best of each side
+    against the others."""
     rows = [r for r in results if r["name"].startswith("r3-iso-")]
     if not rows:
         return []
@@ -339,9 +348,10 @@ def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
         "## The winner at round 2's 1024-token isoFLOP points",
         "",
         "The first variant to close the gap with two seeds, at several sizes and at both of "
-        "round 2's larger budgets, beside dense (rerun here at 5e13 with this round's "
-        "evaluation, at round 2's learning rate and at dense's best where another beat it; at "
-        "1.5e14 the round's dense XS arms). The verdict takes the best of each side.",
+        "round 2's larger budgets, beside dense and round 2's MoD arm (rerun here at 5e13 with "
+        "this round's evaluation, dense at round 2's learning rate and at its best where "
+        "another beat it; at 1.5e14 the round's dense XS and MoD S arms). The verdicts take the "
+        "best of each side.",
         "",
         "| budget | model, size | seeds | causal loss (each seed) | mean |",
         "|---|---|---|---|---|",
@@ -349,25 +359,26 @@ def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
     verdicts = []
     for budget in sorted({r["budget"] for r in rows}):
         here = [r for r in rows if r["budget"] == budget]
-        if budget == FULL.budget:  # the round's own dense arms are dense's points here
-            dense = {DENSE_LABEL, best_dense(results).label}
-            here += [r for r in own_rows(results) if r["label"] in dense]
+        if budget == FULL.budget:  # the round's own dense and MoD arms are their points here
+            own = {DENSE_LABEL, best_dense(results).label, MOD_LABEL}
+            here += [r for r in own_rows(results) if r["label"] in own]
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in here:
             groups.setdefault(r["label"], []).append(r)
         best: dict[str, dict[str, Any]] = {}
         for label, rs in sorted(groups.items()):
             a = arm_summary_losses(rs)
-            side = "dense" if label.startswith("dense") else "winner"
+            side = _side(label)
             if side not in best or a["loss"] < best[side]["loss"]:
                 best[side] = {**a, "label": label}
             each = ", ".join(f"{v:.4f}" for v in a["losses"])
             lines.append(f"| {budget:.1e} | {label} | {a['seeds']} | {each} | {a['loss']:.4f} |")
-        if len(best) == 2:
-            verdicts.append(
-                f"- {budget:.1e}: best {best['winner']['label']} against best "
-                f"{best['dense']['label']}: {against(best['winner'], best['dense'])}"
-            )
+        for a, b in (("winner", "dense"), ("joint", "dense"), ("winner", "joint")):
+            if a in best and b in best:
+                verdicts.append(
+                    f"- {budget:.1e}: best {best[a]['label']} against best "
+                    f"{best[b]['label']}: {against(best[a], best[b])}"
+                )
     return [*lines, "", *verdicts, ""]
 
 
