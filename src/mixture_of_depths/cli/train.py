@@ -118,15 +118,17 @@ LONG_CONTEXT = 1024  # where round 3 measured it (docs/study/round3)
 
 def long_context_note(cfg: MoDConfig, seq_len: int) -> str | None:
     """Advice for a model whose routed layers route attention, trained on long sequences: at
-    1024 tokens the third round of the study found such a model far behind dense at equal FLOPs,
-    and the same model with only the MLP routed level with dense within the seed spread, at each
-    one's best learning rate (docs/semantics.md)."""
+    1024 tokens and 1.5e14 training FLOPs the third round of the study found such a model far
+    behind dense at equal FLOPs, and the same model with only the MLP routed level with dense
+    within the seed spread, at each one's best learning rate; at 5e13 the order differs
+    (docs/semantics.md)."""
     if seq_len < LONG_CONTEXT or not cfg.routed_layers or cfg.routing == "mlp":
         return None
     return (
         f"note: routing={cfg.routing!r} at {seq_len} tokens: a token that skips a routed layer "
-        "computes no attention there, and at 1024 tokens the study found such models far behind "
-        "dense at equal FLOPs, and --routing mlp (attention for every token, only the MLP "
-        "routed; --preset small-long) level with it (docs/semantics.md, 'What a routed "
-        "layer can and cannot see')"
+        "computes no attention there, and at 1024 tokens and 1.5e14 training FLOPs the study "
+        "found such models far behind dense at equal FLOPs, and --routing mlp (attention for "
+        "every token, only the MLP routed; --preset small-long) level with it; on shorter "
+        "training the order differs: compare with dense at your budget (docs/semantics.md, "
+        "'What a routed layer can and cannot see')"
     )
