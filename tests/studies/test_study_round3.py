@@ -395,3 +395,22 @@ def test_each_architecture_is_compared_at_its_best_learning_rate():
     arms[by_tag["mlp-lr4e-3"]] = arm([2.40, 2.42])
     _, mlp = rpt.learning_rates(arms)
     assert "routing=mlp at its best learning rate so far (0.004)" in mlp and "-0.1000" in mlp
+
+
+def test_a_reused_isoflop_point_is_judged_on_every_seed_its_arm_trained():
+    """The winner at its own size and budget is planned with two seeds and reused from the
+    round's arm (``same_run_as``); the arm has a third: the point's verdict uses all three,
+    as the deciding table does."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+    by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "mlp": (2.62, 2.70, 2.52)}
+    rows = [_built_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+            for i, v in enumerate(vs)]  # fmt: skip
+    for seed in (0, 1):  # as the runner writes a reused run
+        point = planning.iso_spec(s, arm["mlp"], s.budget, "S", seed)
+        own = rows[6 + seed]
+        assert rounds.twin(point, rows) is own
+        rows.append({**own, "name": point.name, "label": point.label, "group": point.group,
+                     "same_run_as": own["name"]})  # fmt: skip
+    text = "\n".join(rpt.follow_up_table(rows))
+    assert f"| {point.label} | 3 | 2.6200, 2.7000, 2.5200 | 2.6133 |" in text

@@ -337,6 +337,18 @@ def _side(label: str) -> str:
     return "joint" if label == MOD_LABEL or "round 2's arm" in label else "winner"
 
 
+def _twin_seeds(here: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A point the round had trained (the winner at its own size and budget) is planned with
+    the points' two seeds and reused (``same_run_as``); the round's arm has every seed it
+    trained: those it lacks, under the point's label, so a verdict uses them all."""
+    by_name = {r["name"]: r for r in results}
+    twins = {r["label"]: by_name[r["same_run_as"]]["label"] for r in here
+             if r.get("same_run_as") in by_name}  # fmt: skip
+    seen = {(r["label"], r["seed"]) for r in here}
+    return [{**r, "label": point} for point, arm in twins.items() for r in own_rows(results)
+            if r["label"] == arm and (point, r["seed"]) not in seen]  # fmt: skip
+
+
 def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
     """The winner's isoFLOP points beside dense's and round 2's MoD arm's
     (`planning.follow_up`): per budget, every size with its seeds, and the best of each side
@@ -362,6 +374,7 @@ def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
         if budget == FULL.budget:  # the round's own dense and MoD arms are their points here
             own = {DENSE_LABEL, best_dense(results).label, MOD_LABEL}
             here += [r for r in own_rows(results) if r["label"] in own]
+        here += _twin_seeds(here, results)
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in here:
             groups.setdefault(r["label"], []).append(r)
