@@ -414,3 +414,87 @@ def test_a_reused_isoflop_point_is_judged_on_every_seed_its_arm_trained():
                      "same_run_as": own["name"]})  # fmt: skip
     text = "\n".join(rpt.follow_up_table(rows))
     assert f"| {point.label} | 3 | 2.6200, 2.7000, 2.5200 | 2.6133 |" in text
+
+
+def _profile(far: float, end: float) -> dict:
+    """A loss by place: 4.5 on the first places, `far` at places 32-63, `end` at the last."""
+    return {"edges": [0, 8, 16, 32, 64, 1024], "loss": [4.5, 3.6, 3.3, far, end]}
+
+
+def test_late_fall_is_the_drop_from_place_32_to_the_last_bucket():
+    from mixture_of_depths.studies.round3.mechanism import late_fall
+
+    assert late_fall({"loss_by_position": _profile(2.9, 2.7)}) == pytest.approx(0.2)
+    assert late_fall({"loss_by_position": _profile(3.0, 3.05)}) == pytest.approx(-0.05)
+    assert late_fall({}) is None
+    short = {"edges": [0, 8, 16], "loss": [4.0, 3.0]}  # a context that never reaches place 32
+    assert late_fall({"loss_by_position": short}) is None
+
+
+def _mechanism_report(tmp_path, arms: dict[str, tuple[tuple[float, float, float], ...]]) -> str:
+    """The report's "What the round says" for rows of (loss, loss at place 32, at the end)."""
+    s = planning.FULL
+    by_tag = {a.tag: a for a in planning.ARMS}
+    filler = {"tokens": 1, "steps": 1, "params": 1, "tokens_per_s": 1.0}
+    rows = [
+        {**dataclasses.asdict(sp), "model": {**sp.model, "vocab_size": 4096},
+         "val_loss_causal": v, "val_loss_topk": v, "loss_by_position": _profile(far, end),
+         **filler}
+        for tag, seeds in arms.items()
+        for seed, (v, far, end) in enumerate(seeds)
+        for sp in [planning.spec_of(s, by_tag[tag], seed)]
+    ]  # fmt: skip
+    rpt.write_report(rows, tmp_path, s)
+    text = (tmp_path / "report.md").read_text()
+    return text[text.index("## What the round says") : text.index("Conclusion")].split("\n- ")[
+        1:
+    ] + [text[text.index("Conclusion") :].splitlines()[0]]
+
+
+def test_the_round_names_isolation_only_where_an_arm_closes_the_gap_and_keeps_looking_back(
+    tmp_path,
+):
+    """The issue's rule: isolation blocks look-back where residual KV or MLP-only routing closes
+    most of the gap on two seeds *and* its loss keeps falling past place 32; closing it flat
+    (a better short-context model) is not look-back, and one seed decides nothing."""
+    dense = ((2.70, 2.90, 2.70), (2.72, 2.92, 2.70))  # falls 0.2 past place 32
+    mod = ((3.10, 3.05, 3.05), (3.12, 3.07, 3.07))  # flat
+    flat_closer = ((2.80, 2.85, 2.84), (2.82, 2.87, 2.86))  # closes 75%, flat
+    *isolation, gates, rate, conclusion = _mechanism_report(
+        tmp_path / "a", {"dense": dense, "mod": mod, "residual": flat_closer,
+                         "mlp": flat_closer[:1], "st": ((2.70, 2.9, 2.7),)},
+    )  # fmt: skip
+    assert isolation[0].startswith("**isolation of the routed layers blocks look-back: undecided")
+    assert "(no): closes 75% of the gap (2 seeds)" in isolation[0]
+    assert "one seed decides nothing" in isolation[0] and "one seed decides nothing" in gates
+    assert "undecided" in rate and conclusion.startswith("Conclusion: not decided yet")
+    looks_back = ((2.80, 2.95, 2.80), (2.82, 2.97, 2.82))  # closes 75%, falls 0.15
+    *isolation, gates, rate, conclusion = _mechanism_report(
+        tmp_path / "b", {"dense": dense, "mod": mod, "residual": flat_closer, "mlp": looks_back},
+    )  # fmt: skip
+    assert isolation[0].startswith("**isolation of the routed layers blocks look-back: holds")
+    assert conclusion == "Conclusion: isolation of the routed layers blocks look-back."
+
+
+def test_the_round_says_depth_only_when_every_hypothesis_was_tested_and_failed(tmp_path):
+    dense = ((2.70, 2.90, 2.70), (2.72, 2.92, 2.70))
+    mod = ((3.10, 3.05, 3.05), (3.12, 3.07, 3.07))
+    near_mod = ((3.05, 3.05, 3.05), (3.07, 3.07, 3.07))  # closes 12%, flat
+    arms = {
+        "dense": dense,
+        "mod": mod,
+        "residual": near_mod,
+        "mlp": near_mod,
+        "st": near_mod,
+        "dense-lr4e-3": ((2.60, 2.8, 2.6), (2.62, 2.82, 2.6)),
+        "mod-lr4e-3": near_mod,
+    }
+    *_, rate, conclusion = _mechanism_report(tmp_path / "a", arms)
+    assert rate.startswith("**tuning the learning rate closes the gap: does not hold")
+    assert "+0.4500 nats, against +0.4000 for round 2's untuned pair" in rate  # tuning widens it
+    assert conclusion.startswith("Conclusion: none of the three: it is depth")
+    # the same, but MoD at 4e-3 closes most of round 2's gap: the learning rate holds instead
+    arms["mod-lr4e-3"] = ((2.80, 3.0, 3.0), (2.82, 3.02, 3.02))
+    *_, rate, conclusion = _mechanism_report(tmp_path / "b", arms)
+    assert rate.startswith("**tuning the learning rate closes the gap: holds")
+    assert conclusion == "Conclusion: tuning the learning rate closes the gap."

@@ -12,9 +12,9 @@ from typing import Any
 from ...fileio import atomic_write_text, json_text
 from ...train.config import TrainConfig
 from ..plots import pyplot
+from .mechanism import DENSE_LABEL, MOD_LABEL, late_fall, mechanism
 from .planning import ARMS, FULL, Round3Settings, best_dense, over_text, own_rows, plan
 
-DENSE_LABEL, MOD_LABEL = ARMS[0].label, ARMS[1].label
 BASE_LR: float = TrainConfig.lr  # the peak learning rate of every arm without one of its own
 
 
@@ -73,6 +73,7 @@ def arm_summary(out: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "spread": max(losses) - min(losses),
         "copy_score": _mean([r.get("copy_probe", {}).get("score") for r in rows]),
         "late_loss": _mean([late_loss(r) for r in rows]),
+        "late_fall": _mean([late_fall(r) for r in rows]),
         "gate_p50": _mean([last_gate(out, r) for r in rows]),
         "reach": reach_summary(rows),
         "tokens": statistics.fmean(r["tokens"] for r in rows),
@@ -203,6 +204,7 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round3Settings) ->
     table, arms = deciding_table(out, results)
     pending = [sp.name for sp in plan(s, results) if sp.name not in {r["name"] for r in results}]
     lines = [*_intro(s), "## The deciding table", "", *table, "", *_reading(arms), ""]
+    lines += mechanism(arms)
     lines += follow_up_table(results)
     notes = out / "notes.md"
     if notes.exists():
