@@ -465,7 +465,7 @@ def test_the_round_names_isolation_only_where_an_arm_closes_the_gap_and_keeps_lo
                          "mlp": flat_closer[:1], "st": ((2.70, 2.9, 2.7),)},
     )  # fmt: skip
     assert isolation[0].startswith("**isolation of the routed layers blocks look-back: undecided")
-    assert "(no): closes 75% of the gap (2 seeds)" in isolation[0]
+    assert ": no, closes 75% of the gap (2 seeds)" in isolation[0]
     assert "one seed decides nothing" in isolation[0] and "one seed decides nothing" in gates
     assert "undecided" in rate and conclusion.startswith("Conclusion: not decided yet")
     looks_back = ((2.80, 2.95, 2.80), (2.82, 2.97, 2.82))  # closes 75%, falls 0.15

@@ -70,7 +70,7 @@ def _isolation(arms: dict[str, dict[str, Any]]) -> tuple[bool | None, list[str]]
         both = None if None in (closes, falls) else bool(closes and falls)
         verdicts.append(both)
         word = {True: "yes", False: "no", None: "undecided"}[both]
-        words.append(f"{label} ({word}): {c_text}; {f_text}")
+        words.append(f"{label}: {word}, {c_text}; {f_text}")
     return _any(verdicts), words
 
 
