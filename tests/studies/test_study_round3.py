@@ -498,3 +498,17 @@ def test_the_round_says_depth_only_when_every_hypothesis_was_tested_and_failed(t
     *_, rate, conclusion = _mechanism_report(tmp_path / "b", arms)
     assert rate.startswith("**tuning the learning rate closes the gap: holds")
     assert conclusion == "Conclusion: tuning the learning rate closes the gap."
+
+
+def test_an_isoflop_row_is_on_its_arms_side_whatever_its_label_says():
+    """The side comes from the arm's tag in the run's name, not from the label's wording."""
+    side = {name: rpt.side_of({"name": name, "label": "MoD S, renamed"}) for name in (
+        "r3-iso-5e13-mod-XS-s0", "r3-iso-5e13-mlp-XXS-s1", "r3-iso-5e13-dense-lr4e-3-XS-s1",
+        "r3-1.5e14-mlp-s2", "r3-1.5e14-mod-s0", "r3-1.5e14-dense-s1")}  # fmt: skip
+    assert side == {
+        "r3-iso-5e13-mod-XS-s0": "joint", "r3-iso-5e13-mlp-XXS-s1": "winner",
+        "r3-iso-5e13-dense-lr4e-3-XS-s1": "dense", "r3-1.5e14-mlp-s2": "winner",
+        "r3-1.5e14-mod-s0": "joint", "r3-1.5e14-dense-s1": "dense",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="no round 3 arm has the tag 'nope'"):
+        rpt.side_of({"name": "r3-iso-5e13-nope-XS-s0"})

@@ -12,7 +12,8 @@ has two seeds; the reference pair, the two look-back arms and any arm that close
 dense have three.
 
 `planning`: the settings, the arms and the plan; `running`: `rounds.run` with them; `report`:
-the deciding table and the plots; `mechanism`: which hypothesis the arms support, by rule. Resumable, one process or several (`--workers 2`).
+the deciding table and the plots; `mechanism`: which hypothesis the arms support, by rule.
+Resumable, one process or several (`--workers 2`).
 """
 
 from __future__ import annotations

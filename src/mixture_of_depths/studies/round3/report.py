@@ -331,12 +331,18 @@ def _best_lr(
     return lr, len(tried), best
 
 
-def _side(label: str) -> str:
-    """Which side of the isoFLOP points a row's label is on: dense, round 2's MoD arm (joint
-    routing), or the winner."""
-    if label.startswith("dense"):
+def side_of(row: dict[str, Any]) -> str:
+    """Which side of the isoFLOP points a row is on: dense, round 2's MoD arm (joint routing),
+    or the winner; known by the arm's tag in the run's name (a reused twin keeps its own)."""
+    parts = row["name"].split("-")
+    # "r3-<budget>-<tag>-s<seed>" or "r3-iso-<budget>-<tag>-<size>-s<seed>"
+    tag = "-".join(parts[3:-2] if parts[1] == "iso" else parts[2:-1])
+    arm = next((a for a in ARMS if a.tag == tag), None)
+    if arm is None:
+        raise ValueError(f"run {row['name']!r}: no round 3 arm has the tag {tag!r}")
+    if arm.arch == "dense":
         return "dense"
-    return "joint" if label == MOD_LABEL or "round 2's arm" in label else "winner"
+    return "joint" if arm is ARMS[1] else "winner"
 
 
 def _twin_seeds(here: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -383,7 +389,7 @@ def follow_up_table(results: list[dict[str, Any]]) -> list[str]:
         best: dict[str, dict[str, Any]] = {}
         for label, rs in sorted(groups.items()):
             a = arm_summary_losses(rs)
-            side = _side(label)
+            side = side_of(rs[0])
             if side not in best or a["loss"] < best[side]["loss"]:
                 best[side] = {**a, "label": label}
             each = ", ".join(f"{v:.4f}" for v in a["losses"])
