@@ -376,7 +376,7 @@ def test_each_architecture_is_compared_at_its_best_learning_rate():
     arms[by_tag["mod-lr4e-3"]] = arm([2.60, 2.62])
     (line,) = rpt.learning_rates(arms)
     assert (
-        "MoD S at its best learning rate so far (0.004) against dense XS at its best "
+        "MoD S at its best learning rate (0.004) against dense XS at its best "
         "(0.002): -0.1000 nats" in line
     )
     assert "better beyond the seed spread" in line
@@ -385,7 +385,7 @@ def test_each_architecture_is_compared_at_its_best_learning_rate():
     arms[by_tag["dense-lr4e-3"]] = arm([2.50, 2.52])
     mod, mlp = rpt.learning_rates(arms)
     assert (
-        "MoD S at its best learning rate so far (0.004) against dense XS at its best "
+        "MoD S at its best learning rate (0.004) against dense XS at its best "
         "(0.004): +0.1000 nats" in mod
     )
     assert (
@@ -394,7 +394,7 @@ def test_each_architecture_is_compared_at_its_best_learning_rate():
     )
     arms[by_tag["mlp-lr4e-3"]] = arm([2.40, 2.42])
     _, mlp = rpt.learning_rates(arms)
-    assert "routing=mlp at its best learning rate so far (0.004)" in mlp and "-0.1000" in mlp
+    assert "routing=mlp at its best learning rate (0.004)" in mlp and "-0.1000" in mlp
 
 
 def test_a_reused_isoflop_point_is_judged_on_every_seed_its_arm_trained():

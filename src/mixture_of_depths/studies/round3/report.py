@@ -290,7 +290,7 @@ def _is_dense(label: str) -> bool:
 
 
 def learning_rates(arms: dict[str, dict[str, Any]]) -> list[str]:
-    """Each architecture at its best learning rate of those tried (round 2's 2e-3 and the lr
+    """Each architecture at its best learning rate (round 2's 2e-3 and the lr
     arms): every MoD variant that has lr arms in the plan against dense's best, whether round 2
     (and the variants at 2e-3) compared untuned arms. Empty until an lr arm has a row."""
     if not any(a.lr is not None and a.label in arms for a in ARMS):
@@ -306,7 +306,7 @@ def learning_rates(arms: dict[str, dict[str, Any]]) -> list[str]:
             continue
         (d_lr, _, d), (m_lr, n, m) = best_dense, best
         name = "MoD S" if not ref.over else f"MoD S, {over_text(ref.over)}"
-        rate = "its best learning rate so far" if n > 1 else "the only learning rate tried yet"
+        rate = "its best learning rate" if n > 1 else "the only learning rate tried yet"
         lines.append(
             f"- {name} at {rate} ({m_lr:g}) against dense XS at its best ({d_lr:g}): "
             f"{against(m, d)}"
