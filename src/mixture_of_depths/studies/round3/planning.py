@@ -333,3 +333,15 @@ def follow_up(s: Round3Settings, results: list[dict[str, Any]]) -> list[RunSpec]
 def arm_of(row: dict[str, Any]) -> Arm | None:
     """The arm a result row belongs to."""
     return next((a for a in ARMS if a.label == row["label"]), None)
+
+
+def arm_of_run(name: str) -> Arm:
+    """The arm a run was planned from, by its tag in the run's name (`spec_of`'s
+    "r3-<budget>-<tag>-s<seed>" or `iso_spec`'s "r3-iso-<budget>-<tag>-<size>-s<seed>"): an
+    isoFLOP point's label is not its arm's."""
+    parts = name.split("-")
+    tag = "-".join(parts[3:-2] if parts[1] == "iso" else parts[2:-1])
+    arm = next((a for a in ARMS if a.tag == tag), None)
+    if arm is None:
+        raise ValueError(f"run {name!r}: no round 3 arm has the tag {tag!r}")
+    return arm

@@ -13,7 +13,16 @@ from ...fileio import atomic_write_text, json_text
 from ...train.config import TrainConfig
 from ..plots import pyplot
 from .mechanism import DENSE_LABEL, MOD_LABEL, late_fall, mechanism
-from .planning import ARMS, FULL, Round3Settings, best_dense, over_text, own_rows, plan
+from .planning import (
+    ARMS,
+    FULL,
+    Round3Settings,
+    arm_of_run,
+    best_dense,
+    over_text,
+    own_rows,
+    plan,
+)
 
 BASE_LR: float = TrainConfig.lr  # the peak learning rate of every arm without one of its own
 
@@ -290,7 +299,7 @@ def _is_dense(label: str) -> bool:
 
 
 def learning_rates(arms: dict[str, dict[str, Any]]) -> list[str]:
-    """Each architecture at its best learning rate (round 2's 2e-3 and the lr
+    """Each architecture at its best learning rate of those tried (round 2's 2e-3 and the lr
     arms): every MoD variant that has lr arms in the plan against dense's best, whether round 2
     (and the variants at 2e-3) compared untuned arms. Empty until an lr arm has a row."""
     if not any(a.lr is not None and a.label in arms for a in ARMS):
@@ -333,13 +342,8 @@ def _best_lr(
 
 def side_of(row: dict[str, Any]) -> str:
     """Which side of the isoFLOP points a row is on: dense, round 2's MoD arm (joint routing),
-    or the winner; known by the arm's tag in the run's name (a reused twin keeps its own)."""
-    parts = row["name"].split("-")
-    # "r3-<budget>-<tag>-s<seed>" or "r3-iso-<budget>-<tag>-<size>-s<seed>"
-    tag = "-".join(parts[3:-2] if parts[1] == "iso" else parts[2:-1])
-    arm = next((a for a in ARMS if a.tag == tag), None)
-    if arm is None:
-        raise ValueError(f"run {row['name']!r}: no round 3 arm has the tag {tag!r}")
+    or the winner; known by its run's arm (`planning.arm_of_run`: a reused twin keeps its own)."""
+    arm = arm_of_run(row["name"])
     if arm.arch == "dense":
         return "dense"
     return "joint" if arm is ARMS[1] else "winner"
