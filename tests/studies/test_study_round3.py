@@ -431,7 +431,9 @@ def test_late_fall_is_the_drop_from_place_32_to_the_last_bucket():
     assert late_fall({"loss_by_position": short}) is None
 
 
-def _mechanism_report(tmp_path, arms: dict[str, tuple[tuple[float, float, float], ...]]) -> str:
+def _mechanism_report(
+    tmp_path, arms: dict[str, tuple[tuple[float, float, float], ...]]
+) -> list[str]:
     """The report's "What the round says" for rows of (loss, loss at place 32, at the end)."""
     s = planning.FULL
     by_tag = {a.tag: a for a in planning.ARMS}
@@ -446,9 +448,8 @@ def _mechanism_report(tmp_path, arms: dict[str, tuple[tuple[float, float, float]
     ]  # fmt: skip
     rpt.write_report(rows, tmp_path, s)
     text = (tmp_path / "report.md").read_text()
-    return text[text.index("## What the round says") : text.index("Conclusion")].split("\n- ")[
-        1:
-    ] + [text[text.index("Conclusion") :].splitlines()[0]]
+    says = text[text.index("## What the round says") : text.index("Conclusion")]
+    return [*says.split("\n- ")[1:], text[text.index("Conclusion") :].splitlines()[0]]
 
 
 def test_the_round_names_isolation_only_where_an_arm_closes_the_gap_and_keeps_looking_back(
@@ -512,3 +513,10 @@ def test_an_isoflop_row_is_on_its_arms_side_whatever_its_label_says():
     }  # fmt: skip
     with pytest.raises(ValueError, match="no round 3 arm has the tag 'nope'"):
         rpt.side_of({"name": "r3-iso-5e13-nope-XS-s0"})
+    s = planning.FULL  # every arm read back from the names the plan gives its runs
+    for arm in planning.ARMS:
+        for name in (
+            planning.spec_of(s, arm, 2).name,
+            planning.iso_spec(s, arm, 5e13, "XXS", 1).name,
+        ):
+            assert planning.arm_of_run(name) is arm
