@@ -16,8 +16,8 @@ import torch
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.data import corpus_files, make_tokenizer, split_files
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.studies import rounds
-from mixture_of_depths.studies.round2 import planning, profiles, running
+from mixture_of_depths.studies import profiles, rounds
+from mixture_of_depths.studies.round2 import planning, running
 from mixture_of_depths.studies.round2 import report as rpt
 from mixture_of_depths.studies.runner import RunSpec, load_results, steps_for_budget
 from mixture_of_depths.train.tune import capacity_at

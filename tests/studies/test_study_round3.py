@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mixture_of_depths.config import MoDConfig
-from mixture_of_depths.studies import rounds
+from mixture_of_depths.studies import profiles, rounds
 from mixture_of_depths.studies.round3 import planning, running
 from mixture_of_depths.studies.round3 import report as rpt
 
@@ -76,8 +76,8 @@ def test_lr_arms_train_apart_from_the_reference():
 
 
 def test_place_edges_double_from_eight_to_the_context():
-    assert running.place_edges(1024) == [0, 8, 16, 32, 64, 128, 256, 512, 1024]
-    assert running.place_edges(64) == [0, 8, 16, 32, 64]
+    assert profiles.place_edges(1024) == [0, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert profiles.place_edges(64) == [0, 8, 16, 32, 64]
 
 
 @pytest.fixture()
@@ -108,7 +108,7 @@ def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch, caps
         assert r["copy_probe"]["score"] == pytest.approx(
             r["copy_probe"]["loss_first"] - r["copy_probe"]["loss_second"]
         )
-        assert r["loss_by_position"]["edges"] == running.place_edges(64)
+        assert r["loss_by_position"]["edges"] == profiles.place_edges(64)
         evals = rpt.evaluations(out, r["name"])
         assert len(evals) >= 2 and all("copy_probe" in e for e in evals)  # at least as planned
         assert not (work / r["name"]).exists()  # the run folder went with its profile

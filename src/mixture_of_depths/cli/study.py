@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..studies import convert, isoflop, kv, mode, mor, round2, round3, workers
+from ..studies import convert, isoflop, kv, loader, mode, mor, round2, round3, rounds, workers
 from ..studies.runner import Plan, study
 from ..train import TrainingStopped
 
@@ -25,6 +25,14 @@ def add_parser(sub: Any, name: str) -> None:
         "training FLOPs (resumable)",
         description="Train dense and MoD models of several sizes to fixed training-FLOP budgets, "
         "plus ablations, and write results.jsonl, report.md and plots. Rerun to resume.",
+    )
+    p.add_argument(
+        "study",
+        nargs="?",
+        default=None,
+        help="a study folder (its __init__.py defines STUDY, e.g. experiments/round4): results, "
+        "report and figures go into it (--quick: into <folder>/quick), checkpoints into its "
+        "runs/ folder",
     )
     p.add_argument(
         "--plan",
@@ -94,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.study is not None:
+        return _folder(args)
     if args.workers != 1 and args.plan not in ROUNDS:
         raise ValueError(f"--workers applies to --plan round2 and round3 only, got "
                          f"{args.workers} with --plan {args.plan}")  # fmt: skip
@@ -137,11 +147,39 @@ def _round(args: argparse.Namespace, study_round: Any) -> int:
             args.max_runs,
             args.quick,
             out,
-            plan=args.plan,
+            target=["--plan", args.plan],
         )
     results = study_round.run(
         args.out,
         args.work,
+        args.quick,
+        args.data,
+        not args.no_progress,
+        args.max_runs,
+        worker=args.worker_index,
+    )
+    print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
+    return 0
+
+
+def _folder(args: argparse.Namespace) -> int:
+    """A study named by its folder (`studies.loader`), in one process or `--workers`."""
+    if args.max_runs is not None and args.max_runs < 1:
+        raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    study = loader.load_study(args.study)
+    folder = str(loader.study_folder(args.study))
+    out = args.out or str(loader.out_for(folder, args.quick))
+    work = args.work or str(loader.work_for(folder, args.quick))
+    if args.workers > 1:
+        return workers.launch(
+            args.workers, out, work, args.data, args.max_runs, args.quick, out, target=[folder]
+        )
+    results = rounds.run(
+        study,
+        out,
+        work,
         args.quick,
         args.data,
         not args.no_progress,

@@ -171,8 +171,9 @@ def training_key(spec: RunSpec) -> str:
         return spec.name
     what = {k: getattr(spec, k) for k in ("budget", "seed", "seq_len", "batch_size",
                                           "capacity_warmup")}  # fmt: skip
-    if spec.lr is not None:
-        what["lr"] = spec.lr
+    for key in ("lr", "lr_warmup"):  # absent while unset: the keys of earlier runs hold
+        if getattr(spec, key) is not None:
+            what[key] = getattr(spec, key)
     what["model"] = dataclasses.asdict(MoDConfig(**spec.model))
     text = json.dumps(what, sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -215,7 +216,7 @@ def twin(spec: RunSpec, results: list[dict[str, Any]]) -> dict[str, Any] | None:
     where random routing draws its noise at evaluation too, so those are never reused."""
     if spec.model.get("router_scores") == "random":
         return None
-    keys = ("budget", "seed", "seq_len", "batch_size", "capacity_warmup", "lr")
+    keys = ("budget", "seed", "seq_len", "batch_size", "capacity_warmup", "lr", "lr_warmup")
     for r in results:
         if any(r.get(k) != getattr(spec, k) for k in keys):
             continue

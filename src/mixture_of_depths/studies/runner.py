@@ -75,6 +75,8 @@ class RunSpec:
     # its extra FLOPs are charged to the budget
     capacity_warmup: float = 0.0
     lr: float | None = None  # the peak learning rate (None: TrainConfig's)
+    # the learning-rate warm-up as a share of the run's steps (None: a tenth, at most 50 steps)
+    lr_warmup: float | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> RunSpec:
@@ -170,7 +172,7 @@ def run_one(
         steps=steps,
         capacity_warmup=warmup,
         capacity_warmup_ratio=0.0,  # the spec's warm-up, in steps, or none
-        warmup_steps=max(1, min(50, steps // 10)),
+        warmup_steps=lr_warmup_steps(spec, steps),
         eval_every=max(1, steps // evals),
         # Checkpoints between the (few) evaluations, so a study killed mid-run loses at most a
         # twentieth of that run; at log steps, so that every checkpoint has its line in the log.
@@ -186,6 +188,14 @@ def run_one(
         None if resume else cfg, tc, resume=resume, overwrite=not resume, progress=progress
     )
     return _result_row(spec, cfg, tc, summary, spent, t0)
+
+
+def lr_warmup_steps(spec: RunSpec, steps: int) -> int:
+    """The learning-rate warm-up of `spec` in steps: its `lr_warmup` share of `steps`, or by
+    default a tenth of them, at most 50 (what every study before round 4 trained with)."""
+    if spec.lr_warmup is None:
+        return max(1, min(50, steps // 10))
+    return max(1, min(steps, round(spec.lr_warmup * steps)))
 
 
 def _result_row(

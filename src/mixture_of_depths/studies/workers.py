@@ -26,16 +26,18 @@ def launch(
     max_runs: int | None,
     quick: bool,
     report_dir: str,
-    plan: str = "round2",
+    target: list[str] | None = None,
 ) -> int:
-    """Run `workers` processes of ``mod study --plan <plan>`` (a round: `studies.rounds`) on the
+    """Run `workers` processes of ``mod study <target>`` (a round: `studies.rounds`; `target`:
+    a study folder, or ``--plan round2|round3``) on the
     same folders (`out`, `work`: None for the defaults) and wait for them all; the exit status
     is the first failure's, else 0. `report_dir` is where they write, for the messages."""
     cores = usable_cores()
     if workers > cores:
         raise ValueError(f"--workers must be at most the {cores} cores here, got {workers}")
     threads = max(1, cores // workers)
-    cmd = [sys.executable, "-m", "mixture_of_depths", "study", "--plan", plan, "--no-progress"]
+    target = ["--plan", "round2"] if target is None else target
+    cmd = [sys.executable, "-m", "mixture_of_depths", "study", *target, "--no-progress"]
     for flag, value in (("--out", out), ("--work", work), ("--data", data),
                         ("--max-runs", max_runs)):  # fmt: skip
         if value is not None:

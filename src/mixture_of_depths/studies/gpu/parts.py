@@ -23,8 +23,7 @@ from ...precision import autocast_for
 from ...train import TrainConfig
 from ...train.config import make_optimizer
 from .. import rounds
-from ..round2.profiles import position_profile
-from ..round3.running import place_edges
+from ..profiles import place_edges, position_profile
 from ..runner import RunSpec, run_one
 from .planning import GpuSettings
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import rounds
+from ..profiles import position_profile, routing_profile
 from ..runner import RunSpec
 from .planning import FOLDERS, FULL, QUICK, Round2Settings, plan
-from .profiles import position_profile, routing_profile
 from .report import write_report
 
 

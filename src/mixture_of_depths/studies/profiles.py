@@ -1,18 +1,25 @@
-"""Profiles of a trained round-2 model, taken from its checkpoint before the run folder is
-deleted: where its routed compute goes (`routing_profile`) and its loss by place in the context
-(`position_profile`)."""
+"""Profiles of a trained model, taken from its checkpoint before its run folder is deleted
+(a `rounds.Round`'s ``profile``): where its routed compute goes (`routing_profile`), its loss by
+place in the context (`position_profile`), its causal thresholds calibrated (`calibration`), how
+far back its attention looks (`reach`), and a copy of the model kept for later measures
+(`keep`)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ...data import eval_batches, load_splits, load_tokenizer
-from ...inspect import analyse
-from ...runtime.checkpoint import load_model
+from ..calibrate import causal_take_rates, fit_thresholds
+from ..data import eval_batches, load_splits, load_tokenizer
+from ..inspect import analyse
+from ..probes import attention_reach
+from ..runtime.checkpoint import load_model
+from ..train import evaluate
+from ..train.evaluate import run_batches
 
 
 def routing_profile(ckpt: Path, data: str | None, rows: int) -> dict[str, Any]:
@@ -100,3 +107,83 @@ def position_profile(
         "edges": edges,
         "loss": [float(per_place[a:b].mean()) for a, b in zip(edges, edges[1:], strict=False)],
     }
+
+
+def place_edges(seq_len: int) -> list[int]:
+    """Edges of the places the loss is profiled over: the first 8 tokens, then doubling
+    buckets (8-15, 16-31, ...) up to the end of the context."""
+    edges, e = [0], 8
+    while e < seq_len:
+        edges.append(e)
+        e *= 2
+    return [*edges, seq_len]
+
+
+REACH_WINDOWS = 8  # validation windows the attention reach is measured on
+
+
+def reach(ckpt: Path, data: str | None) -> list[dict[str, Any]]:
+    """How far back each layer's attention looks (`probes.attention_reach`, causal routing) on
+    the first `REACH_WINDOWS` validation windows of the run."""
+    model, cfg = load_model(ckpt)
+    batches, _ = run_batches(ckpt, load_tokenizer(ckpt), cfg.max_seq_len, data)
+    idx = torch.cat([x for x, _ in batches])[:REACH_WINDOWS]
+    return attention_reach(model, idx)
+
+
+def calibration(ckpt: Path, data: str | None) -> dict[str, Any]:
+    """`mod calibrate` on the run's validation windows: thresholds fitted on the first half,
+    causal take-rates and loss measured on the second, before and after."""
+    model, cfg = load_model(ckpt)
+    batches, _ = run_batches(ckpt, load_tokenizer(ckpt), cfg.max_seq_len, data)
+    # the first half fits, the second measures (round 3 began so; `mod calibrate` now
+    # alternates batches, `calibrate.fit_and_held`), kept for one method across the rounds
+    fit, held = batches[: len(batches) // 2], batches[len(batches) // 2 :]
+
+    def measure() -> dict[str, Any]:
+        loss = evaluate(model, held, torch.device("cpu"))["val_loss_causal"]
+        return {
+            "take_rate": causal_take_rates(model, [x for x, _ in held]),
+            "val_loss_causal": loss,
+        }
+
+    before = measure()
+    thresholds = fit_thresholds(model, [x for x, _ in fit])
+    return {"thresholds": thresholds, "before": before, "after": measure()}
+
+
+KEPT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "trainer.json")
+
+
+def keep(ckpt: Path, kept: Path) -> Path:
+    """Copy the model of checkpoint `ckpt` (weights, config, tokenizer) to `kept`, for
+    measures taken later, at a quiet moment (decode timings, probes); returns `kept`."""
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in KEPT_FILES:
+        if (ckpt / name).exists():
+            shutil.copyfile(ckpt / name, kept / name)
+    return kept
+
+
+def kept_folder(run_folder: Path) -> Path:
+    """Where a run's model is kept: beside the work folder, ``<work>-kept/<run name>``."""
+    return run_folder.parent.with_name(run_folder.parent.name + "-kept") / run_folder.name
+
+
+def long_context_profile(spec: Any, grid: Any, folder: Path, data: str | None) -> dict[str, Any]:
+    """What rounds 3 and 4 measure of each trained model before its folder goes: the held-out
+    loss by place (`place_edges`), for a routed model its causal thresholds calibrated, its
+    attention's reach, and a copy of the model kept (`kept_folder`)."""
+    seq_len = spec.seq_len or grid.seq_len
+    ckpt = folder / "checkpoint"
+    row: dict[str, Any] = {
+        "loss_by_position": position_profile(
+            ckpt, data, spec.batch_size or grid.batch_size, seq_len, grid.eval_batches,
+            edges=place_edges(seq_len),
+        )
+    }  # fmt: skip
+    if "R" in spec.model.get("layer_pattern", "D"):
+        row["calibration"] = calibration(ckpt, data)
+    row["attention_reach"] = reach(ckpt, data)
+    keep(ckpt, kept_folder(folder))
+    return row

@@ -1,0 +1,77 @@
+"""A study named by its folder (`mod study experiments/round4`): the folder is a Python package
+outside the installed library whose ``__init__.py`` defines ``STUDY``, a `rounds.Round`. Its
+results, report and figures live in the folder itself (``--quick``: in ``<folder>/quick``), its
+runs' checkpoints in ``<folder>/runs`` (ignored by git), unless ``--out`` / ``--work`` say
+otherwise: nothing lands in the current folder by accident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ENTRY = "__init__.py"
+
+
+def study_folder(path: str | Path) -> Path:
+    """`path` as a study folder (absolute), or a ValueError saying what a study folder is."""
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise ValueError(f"study {str(path)!r}: no such folder (a study is a folder whose "
+                         f"{ENTRY} defines STUDY, e.g. experiments/round4)")  # fmt: skip
+    if not (folder / ENTRY).is_file():
+        raise ValueError(f"study {str(path)!r}: the folder has no {ENTRY} (a study is a folder "
+                         "whose __init__.py defines STUDY)")  # fmt: skip
+    return folder
+
+
+def module_name(folder: Path) -> str:
+    """The name the study's package is imported under: its folder's name and a hash of its
+    path, so that two folders of one name never share a module."""
+    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+    return f"mod_study_{folder.name.replace('-', '_')}_{digest}"
+
+
+def load_package(path: str | Path) -> ModuleType:
+    """Import the study folder `path` as a package (its modules import each other relatively),
+    once per process."""
+    folder = study_folder(path)
+    name = module_name(folder)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, folder / ENTRY, submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_study(path: str | Path) -> Any:
+    """The `rounds.Round` the study folder `path` defines as ``STUDY``."""
+    module = load_package(path)
+    study = getattr(module, "STUDY", None)
+    if study is None:
+        raise ValueError(f"study {str(path)!r}: its {ENTRY} defines no STUDY")
+    return study
+
+
+def out_for(path: str | Path, quick: bool) -> Path:
+    """Where a study folder's results go: the folder, or ``<folder>/quick`` for a smoke run."""
+    folder = study_folder(path)
+    return folder / "quick" if quick else folder
+
+
+def work_for(path: str | Path, quick: bool) -> Path:
+    """Where a study folder's runs train: ``<out>/runs``."""
+    return out_for(path, quick) / "runs"
