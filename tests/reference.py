@@ -13,7 +13,9 @@ x_i + g(r_i) * f_i and every other token is left as it is. With ``skipped_kv="re
 tokens of S attend instead to every token of the row at or before their position, keys and values
 made from the stream each token has at the layer's input. With ``routing="mlp"`` every token of
 a routed layer first takes its attention as in a dense layer (x + a), and only the MLP is routed,
-its router reading x + a.
+its router reading x + a. With ``routing="mlp_kv"`` one router reads x and chooses S; every token
+i takes x + a_i, a_i its attention over the tokens of S at or before i (keys and values from
+their x, zero where there is none), then the tokens of S take (x + a) + g(r) * mlp(x + a).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from mixture_of_depths import MoDTransformer, capacity_tokens
 @dataclass
 class RefRoute:
     layer: int
-    kind: str  # "block", "attn" or "mlp"
+    kind: str  # "block", "attn", "mlp" or "mlp_kv"
     mask: Tensor  # (B, T) bool: tokens that went through the sub-block
     logits: Tensor  # (B, T) raw router weights r
     target: Tensor  # (B, T) bool: top-k membership of r, per row
@@ -107,6 +109,7 @@ def attn_update(
     Token i attends to the tokens j of this list with pos[j] <= pos[i], and to nothing else; or,
     with `keys` = (the stream of every token of the row, their positions) (skipped_kv="residual"),
     to every token of that stream at or before pos[i], its key and value made from its own stream.
+    A query with no key at or before it gets a zero update.
     """
     n = len(xs)
     H, KVH, hd = p.H, p.KVH, p.hd
@@ -127,6 +130,9 @@ def attn_update(
         v.append([vj[a // group] for a in range(H)])
     out = []
     for i in range(n):
+        if not any(kpos[j] <= pos[i] for j in range(len(kx))):
+            out.append(torch.zeros(p.wo.shape[0], dtype=torch.float64))
+            continue
         heads = []
         for a in range(H):
             visible = [j for j in range(len(kx)) if kpos[j] <= pos[i]]
@@ -201,7 +207,8 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
             continue
         if cfg.routing == "mlp":  # attention dense, as in a dense block; then the MLP's router
             streams = [_add(xs, attn_update(p, xs, list(range(T)))) for xs in streams]
-        kinds = {"joint": ["block"], "staggered": ["attn", "mlp"], "mlp": ["mlp"]}[cfg.routing]
+        kinds = {"joint": ["block"], "staggered": ["attn", "mlp"], "mlp": ["mlp"],
+                 "mlp_kv": ["mlp_kv"]}[cfg.routing]  # fmt: skip
         for kind in kinds:
             w = block.router[kind].weight.detach().to(torch.float64)[0]
             mask = torch.zeros(B, T, dtype=torch.bool)
@@ -225,8 +232,12 @@ def reference_forward(model: MoDTransformer, idx: Tensor, routing: str = "topk")
                 # "residual": the chosen tokens' queries see keys of the whole row's stream
                 residual = cfg.skipped_kv == "residual" and kind != "mlp"
                 keys = (xs, list(range(T))) if residual else None
+                if kind == "mlp_kv":  # every token queries the chosen; then their MLP
+                    takers = ([xs[t] for t in chosen], chosen)
+                    streams[b] = xs = _add(xs, attn_update(p, xs, list(range(T)), takers))
                 if chosen:
-                    f = sub_update(p, kind, [xs[t] for t in chosen], chosen, keys)
+                    sub = "mlp" if kind == "mlp_kv" else kind
+                    f = sub_update(p, sub, [xs[t] for t in chosen], chosen, keys)
                     new = list(xs)
                     for t, ft in zip(chosen, f, strict=True):
                         g = r[t] if cfg.router_gate == "raw" else sigmoid(r[t])

@@ -225,7 +225,7 @@ def test_config_is_frozen():
 
 
 def test_routing_defaults_are_the_second_round_study_winners():
-    """docs/study/round2: the predictor, the sigmoid gate; the causal-router loss weight that
+    """experiments/round2: the predictor, the sigmoid gate; the causal-router loss weight that
     suits the router (0.1 for the predictor, 0.01 for the aux loss), resolved at construction so
     that a saved config says the number; a weight given is kept."""
     cfg = MoDConfig()

@@ -5,6 +5,8 @@ report."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mixture_of_depths.studies.profiles import long_context_profile
 from mixture_of_depths.studies.rounds import Round
 from mixture_of_depths.studies.runner import Folders
@@ -13,7 +15,7 @@ from . import plan, report
 
 STUDY = Round(
     name="round 4",
-    folders=Folders(out="experiments/round4", work="experiments/round4/runs"),
+    folders=Folders(str(Path(__file__).resolve().parent)),
     settings=lambda quick: plan.QUICK if quick else plan.FULL,
     plan=lambda s, results: plan.plan(s, results),
     report=lambda results, out, s: report.write_report(results, out, s),

@@ -166,9 +166,10 @@ class Block(nn.Module):
         """The layer's work when `tokens` tokens reach it: `attn` / `mlp` of them run each
         sub-block where the kind lets tokens choose (default: top-k's choice; given: causal
         routing, as in decoding; with ``routing="mlp"`` every token runs attention and `attn`
-        is unused), and each attention query sees `keys` keys (default: all the tokens that run
-        attention, or with ``skipped_kv="residual"`` all the tokens, whose keys the skippers
-        project too). With experts, `expert_share` of the MLP's slots run a real expert
+        is unused; with ``routing="mlp_kv"`` `attn` counts the queries and `mlp` the takers,
+        which alone project keys), and each attention query sees `keys` keys (default: all the
+        tokens that run attention, or with ``skipped_kv="residual"`` all the tokens, whose keys
+        the skippers project too; with "mlp_kv", the takers). With experts, `expert_share` of the MLP's slots run a real expert
         (`layers.price`)."""
         raise NotImplementedError
 

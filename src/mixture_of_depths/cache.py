@@ -14,7 +14,9 @@ Layout of `KVCache`: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l,
 holes: a routed layer appends a token only if the token took that layer (its attention sub-block,
 in staggered routing), so ``lengths[l, b]`` is the number of such tokens and slot j holds the j-th
 of them; with ``skipped_kv="residual"``, or ``routing="mlp"`` (attention dense, only the MLP
-routed), a routed layer stores every token, as a dense one does.
+routed), a routed layer stores every token, as a dense one does. With ``routing="mlp_kv"`` it
+stores its takers, and on a decode step every row reads it (`read`) after the taking rows
+appended (`append`).
 Keys are stored already rotated at the token's original position. Attention reads slots
 ``< lengths[l, b]`` only, so a slot that was never written is never attended.
 

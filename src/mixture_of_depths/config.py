@@ -23,11 +23,14 @@ from .recursion_fields import checked_recursion
 
 # The sub-blocks each routing mode routes, one router each (docs/semantics.md, "Joint, staggered
 # and MLP-only routing"): the whole block; attention and the MLP apart; only the MLP, with
-# attention dense in every layer.
+# attention dense in every layer; the attention's keys and values and the MLP, every token
+# querying ("Takers' keys"). That router is named for both ("1.mlp_kv" in logs), not "block":
+# its skippers still run the block's attention, so joint routing's bare "1" would misread it.
 ROUTE_KINDS: dict[str, tuple[str, ...]] = {
     "joint": ("block",),
     "staggered": ("attn", "mlp"),
     "mlp": ("mlp",),
+    "mlp_kv": ("mlp_kv",),
 }
 ROUTING_MODES = tuple(ROUTE_KINDS)
 ROUTER_GATES = ("raw", "sigmoid", "straight_through", "sigmoid_stopgrad")
@@ -116,12 +119,14 @@ class MoDConfig:
     max_seq_len: int = 256
     layer_pattern: str = "DR"
     capacity: float = 0.125
-    routing: str = "joint"  # ROUTE_KINDS: "joint", "staggered" or "mlp" (attention dense)
+    # ROUTE_KINDS: "joint", "staggered", "mlp" (attention dense) or "mlp_kv" (every token
+    # queries, the takers alone are keys and values and take the MLP)
+    routing: str = "joint"
     router_gate: str = "sigmoid"
     # "predictor": a small MLP on the block's detached input predicts each token's top-k
     # membership, so the router learns from the LM loss alone; "aux_loss": the router's own
     # logit decides, trained also by a BCE loss towards top-k membership. The predictor is the
-    # default: it won the second round of the isoFLOP study (docs/study/round2: causal loss
+    # default: it won the second round of the isoFLOP study (experiments/round2: causal loss
     # 3.832 against 3.859 for the aux loss at 0.01 and 4.051 at 0.1, means of two seeds).
     causal_router: str = "predictor"
     # "random": top-k on fresh N(0, 1) scores with a unit gate, the baseline for learned routing.
@@ -227,12 +232,30 @@ class MoDConfig:
                 "dense in every layer (every token's key and value are computed and cached); "
                 "use skipped_kv='none'"
             )
+        if self.routing == "mlp_kv":
+            self._check_takers_kv()
         self._check_random_take_rates()
         caps = checked_recursion(self)  # docs/mor.md: stored one share per step
         object.__setattr__(self, "recursion_capacities", caps)
         self._check_causal_thresholds()
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+
+    def _check_takers_kv(self) -> None:
+        """What ``routing="mlp_kv"`` refuses, by name (docs/semantics.md, "Takers' keys")."""
+        if self.skipped_kv == "residual":
+            raise ValueError(
+                "skipped_kv='residual' with routing='mlp_kv': mlp_kv keys only the router's "
+                "takers (every token queries them); residual would key every token, which is "
+                "routing='mlp' (attention dense). Use skipped_kv='none' with routing='mlp_kv'"
+            )
+        if self.recursions > 1:
+            raise ValueError(
+                f"routing='mlp_kv' with recursions={self.recursions}: a recursive model routes "
+                "whole recursion steps (recursion_router), it has no routed layer whose keys "
+                "mlp_kv could choose; use routing='joint' (the default) with recursions > 1, "
+                "or recursions=1 with routing='mlp_kv'"
+            )
 
     def _check_random_take_rates(self) -> None:
         if isinstance(self.random_take_rates, list | tuple):  # from Python: store as the string
@@ -436,7 +459,8 @@ class MoDConfig:
     @property
     def full_kv_layers(self) -> list[int]:
         """The layers whose KV cache holds every token: dense ones, and routed ones too with
-        ``skipped_kv="residual"`` or ``routing="mlp"`` (attention dense)."""
+        ``skipped_kv="residual"`` or ``routing="mlp"`` (attention dense); with
+        ``routing="mlp_kv"`` a routed layer holds its takers alone, as joint routing's does."""
         if self.recursive:  # unique layers, the first pass, steps every token takes
             routed = set(self.recursion_routed_steps)
             return [i for i, (_, r) in enumerate(self.layer_schedule) if r not in routed]

@@ -161,7 +161,7 @@ def mod_config(
         rope_theta=_rope_theta(hf), norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         router_gate="straight_through", init_std=hf.get("initializer_range", 0.02),
-        # the routing the conversion study measured (docs/study/round2 trained from scratch)
+        # the routing the conversion study measured (experiments/round2 trained from scratch)
         causal_router="aux_loss", aux_loss_weight=0.1,
     )  # fmt: skip
     return MoDConfig(**{**fields, **overrides})

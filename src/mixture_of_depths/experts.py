@@ -269,7 +269,8 @@ def ran_real_expert(route: ExpertRoute, routes: list[Route]) -> Tensor:
     result), so its record is mapped back through that router's mask (`routes`, the forward's
     MoD routes); a skipper never ran an expert."""
     ran = route.kept.any(-1)
-    gate = [r for r in routes if r.layer == route.layer and r.kind in ("block", "mlp")]
+    mlps = ("block", "mlp", "mlp_kv")  # the routes that pick an MLP's tokens
+    gate = [r for r in routes if r.layer == route.layer and r.kind in mlps]
     if not gate:  # a dense block: every token reached the layer
         return ran
     take = gate[0].mask.to(ran.device)

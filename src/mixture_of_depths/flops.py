@@ -20,7 +20,10 @@ that take each routed layer (`take_rate`, the capacity by default): a routed lay
 With ``skipped_kv="residual"`` a routed layer also projects the key and value of every token that
 skips it (training and decode), its queries attend over all tokens' keys, and it caches every
 token: KV bytes per token as a dense layer's. With ``routing="mlp"`` a routed layer's attention is
-a dense layer's (every token, every key, every token cached) and only its MLP is routed.
+a dense layer's (every token, every key, every token cached) and only its MLP is routed. With
+``routing="mlp_kv"`` every token projects a query and the output, the takers alone a key and a
+value (and the MLP), and each query reads the takers' keys: the top-k forward multiplies its T
+queries by the k takers' keys (mlp_kv.py); a routed layer caches its takers.
 
 Every figure is a sum of the layer kinds' own cost functions (`model.BLOCKS[kind].cost`, priced by
 the modules in layers.py), so a new block kind brings its FLOPs with it. A recursive model
@@ -48,7 +51,7 @@ class LayerFlops:
 
     layer: int
     kind: str  # "D" dense or "R" routed; "r<step>" a routed recursion step's application
-    tokens: int  # tokens that run the block's attention per sequence (all, with routing="mlp")
+    tokens: int  # queries of the block's attention per sequence (all, with "mlp" or "mlp_kv")
     matmul: float  # q/k/v/o projections and the MLP
     attention: float  # QK^T and AV, full products (FlopCounterMode's count)
     attention_causal: float  # QK^T and AV over the query-key pairs a causal mask keeps
@@ -307,8 +310,8 @@ def _decode_estimate(
     cached = [1.0 if i in full_kv else p for i, p in enumerate(p_layer)]
     # Decoding never drops: given shares that include capacity drops would undercount it.
     decode_share = given if cfg.expert_capacity_factor is None else None
-    # (attention, MLP) shares; with routing="mlp" every token runs attention
-    attn_all = cfg.routing == "mlp"
+    # (attention, MLP) shares; with routing="mlp" or "mlp_kv" every token queries
+    attn_all = cfg.routing in ("mlp", "mlp_kv")
     takes_pp = [(1.0 if attn_all else p, p) for p in p_layer]
     decode, _ = decode_cost(cfg, takes_pp, cached, context, expert_share=decode_share)
     return decode, cached
@@ -317,7 +320,8 @@ def _decode_estimate(
 def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[float, float]]:
     """Per layer (attention share, MLP share) of the tokens that run it, from per-router shares in
     router order (``generate.router_names``): (1, 1) for a dense layer, (r, r) for joint routing,
-    (r_attn, r_mlp) for staggered routing, (1, r_mlp) for MLP-only routing."""
+    (r_attn, r_mlp) for staggered routing, (1, r_mlp) for MLP-only routing, (1, r) for
+    ``routing="mlp_kv"`` (every token queries; the takers' share keys and runs the MLP)."""
     it = iter(per_router)
     shares = []
     for kind in cfg.layer_kinds:
@@ -326,7 +330,7 @@ def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[floa
         elif cfg.routing == "joint":
             r = next(it)
             shares.append((r, r))
-        elif cfg.routing == "mlp":
+        elif cfg.routing in ("mlp", "mlp_kv"):
             shares.append((1.0, next(it)))
         else:
             shares.append((next(it), next(it)))
@@ -365,7 +369,9 @@ def decode_cost(
         cost = BLOCKS[kind].cost
         work = cost(cfg, 1, attn=a, mlp=m, keys=c * context, expert_share=es)
         flops += work.flops
-        weights = cost(cfg, 1, attn=ba, mlp=bm, keys=0, expert_share=es).params
+        # weights alone: keys left out (keys=0 would be a layer holding nothing, where an
+        # "mlp_kv" layer projects no query)
+        weights = cost(cfg, 1, attn=ba, mlp=bm, expert_share=es).params
         elements += weights + batch_size * work.kv_entries * Attention.kv_entry(cfg)
     return flops, elements * element_size
 

@@ -215,7 +215,7 @@ class LayerCost:
     """One layer's work on some tokens, priced by the modules that do it (FLOPs as
     `FlopCounterMode` counts them: a multiply-add is 2, only matrix products count)."""
 
-    attn_tokens: float  # tokens that run attention (queries; each also stores a key and value)
+    attn_tokens: float  # queries; all but `q_only` of them also store a key and value
     kv_only: float  # tokens that only project (and store) a key and value ("residual" skippers)
     matmul: float  # q/k/v/o projections and the MLP
     attention: float  # QK^T and AV
@@ -223,6 +223,7 @@ class LayerCost:
     predictor: float
     params: float  # weights read, each module once per token that runs it
     kv_entries: float  # cached (key, value) pairs the attention reads
+    q_only: float = 0.0  # queries with no key or value of their own ("mlp_kv" skippers)
 
     @property
     def flops(self) -> float:
@@ -238,10 +239,12 @@ def price(
     predicted: float = 0.0,
     expert_share: float = 1.0,
     kv_only: float = 0.0,
+    q_only: float = 0.0,
 ) -> LayerCost:
     """`attn` tokens run attention (each query against `keys` keys), `mlp` tokens run the MLP,
     a router weighs `routed` tokens and a predictor scores `predicted` (summed over routers);
-    `kv_only` more tokens project a key and a value and nothing else.
+    `kv_only` more tokens project a key and a value and nothing else; `q_only` more tokens are
+    queries (their query and output projections, against `keys` keys) with no key or value.
 
     With experts (`cfg.has_experts`), each of the `mlp` tokens is weighed by the expert router and
     fills `experts_per_token` slots, of which the share `expert_share` runs a real expert (the
@@ -252,18 +255,22 @@ def price(
     else:
         mlp_work, mlp_router = mlp * MLP.params(cfg), 0.0
     kv_work = kv_only * Attention.kv_params(cfg)
+    q_work = q_only * (Attention.params(cfg) - Attention.kv_params(cfg))
+    queries = attn + q_only
     return LayerCost(
-        attn_tokens=attn,
+        attn_tokens=queries,
         kv_only=kv_only,
-        matmul=2 * (attn * Attention.params(cfg) + kv_work + mlp_work),
-        attention=attn * keys * Attention.flops_per_key(cfg),
+        matmul=2 * (attn * Attention.params(cfg) + kv_work + q_work + mlp_work),
+        attention=queries * keys * Attention.flops_per_key(cfg),
         router=routed * 2 * cfg.d_model + 2 * mlp_router,
         predictor=predicted * Predictor.flops_per_token(cfg),
         params=attn * Attention.params(cfg)
         + kv_work
+        + q_work
         + mlp_work
         + mlp_router
         + routed * cfg.d_model
         + predicted * Predictor.params(cfg),
-        kv_entries=attn * keys,
+        kv_entries=queries * keys,
+        q_only=q_only,
     )

@@ -9,7 +9,9 @@ order, are gathered, run through the block (attending only among themselves, or 
 rotary positions) and scattered back as ``x + g(r) * f``, where ``f`` is the block's update; every
 other token leaves bit for bit unchanged. In causal mode each token decides for itself (its router
 or predictor logit > 0), so no decision reads a later token. With ``routing="mlp"`` only the MLP
-is routed: attention runs for every token, as in a dense block.
+is routed: attention runs for every token, as in a dense block. With ``routing="mlp_kv"`` every
+token queries a routed layer's attention, whose keys and values are the takers' alone, and only
+the takers run its MLP (mlp_kv.py).
 
 With a KV cache (`cache.py`) the same blocks run a prefill (the prompt, as the full causal forward
 runs it, storing each layer's takers) or a decode step (a routed block runs only on the rows whose

@@ -151,8 +151,9 @@ def _reach_of_call(
 
 def _takers(model: MoDTransformer, routes: list, layer: int, call: int) -> Tensor | None:
     """(B, T) bool: the queries of this call whose output the layer keeps (its takers), or None
-    for every query: a MoD routed layer's route (joint or attention); a recursive model's shared
-    layer, at application `call` (the recursion step), that step's route."""
+    for every query: a MoD routed layer's route (joint or attention); with ``routing="mlp_kv"``
+    the queries that see a taker (at or before them); a recursive model's shared layer, at
+    application `call` (the recursion step), that step's route."""
     cfg = model.config
     if cfg.recursive:
         if layer not in cfg.recursion_layers[1]:
@@ -160,6 +161,9 @@ def _takers(model: MoDTransformer, routes: list, layer: int, call: int) -> Tenso
         step = {r.layer: r.mask for r in routes if r.kind == "recursion"}
         return step.get(call)  # step 0 and steps at capacity 1: every token
     found = [r.mask for r in routes if r.layer == layer and r.kind in ("block", "attn")]
+    keyed = [r.mask for r in routes if r.layer == layer and r.kind == "mlp_kv"]
+    if keyed:  # every token queries; one with no taker up to it gets no update (mlp_kv.py)
+        return keyed[0].cumsum(1) > 0
     return found[0] if found else None
 
 

@@ -4,9 +4,11 @@ a mask (causal evaluation, prefill) and only the taking rows (decode). docs/sema
 what is computed.
 
 ``routing`` says what the routers route (`config.ROUTE_KINDS`): the whole block ("joint"),
-attention and the MLP apart ("staggered"), or only the MLP ("mlp"), attention then running for
-every token as in a dense block. A chosen token leaves a routed sub-block as ``x + g(r) * f``;
-every other token leaves it bit for bit unchanged.
+attention and the MLP apart ("staggered"), only the MLP ("mlp"), attention then running for
+every token as in a dense block, or the attention's keys and values and the MLP ("mlp_kv":
+every token queries the takers' keys, mlp_kv.py). A chosen token leaves a routed sub-block as
+``x + g(r) * f``; every other token leaves it bit for bit unchanged (with "mlp_kv", as the
+attention every token runs left it).
 
 Names with shape suffixes: B batch, T tokens of the forward, K routed subset, D model width;
 N rows of a decode step, M those of them that take the sub-block.
@@ -19,7 +21,7 @@ from statistics import NormalDist
 import torch
 from torch import Tensor, nn
 
-from . import kernels
+from . import kernels, mlp_kv
 from .blocks import Block, Count, Pass
 from .cache import kv_hook
 from .config import ROUTE_KINDS, MoDConfig
@@ -37,9 +39,10 @@ from .routing import (
 
 
 class RoutedBlock(Block):
-    """A router (joint routing), one for attention and one for the MLP (staggered routing), or
-    one for the MLP alone (``routing="mlp"``, attention dense) picks the tokens that take the
-    (sub-)block; the others ride the residual stream unchanged."""
+    """A router (joint routing), one for attention and one for the MLP (staggered routing), one
+    for the MLP alone (``routing="mlp"``, attention dense), or one for the keys and the MLP
+    (``routing="mlp_kv"``, every token querying) picks the tokens that take the (sub-)block;
+    the others ride the residual stream unchanged."""
 
     kind = "R"
 
@@ -151,6 +154,9 @@ class RoutedBlock(Block):
 
     def run_topk(self, kind: str, x_BTD: Tensor, r_BT: Tensor, idx_BK: Tensor, p: Pass) -> Tensor:
         """Gather the k chosen tokens of each row, run them, scatter them back."""
+        if kind == "mlp_kv":  # every token queries the takers' keys; then the takers' MLP
+            x_BTD = x_BTD + mlp_kv.attend_topk(self, x_BTD, idx_BK, p)
+            kind = "mlp"
         B, T, D = x_BTD.shape
         k = idx_BK.shape[1]
         if k == 0:
@@ -180,7 +186,11 @@ class RoutedBlock(Block):
         self, kind: str, x_BTD: Tensor, r_BT: Tensor, take_BT: Tensor, p: Pass
     ) -> Tensor:
         """Every token computes; a taker attends only to earlier takers (with
-        ``skipped_kv="residual"``, to every earlier token); skippers keep x."""
+        ``skipped_kv="residual"``, to every earlier token); skippers keep x (with "mlp_kv",
+        every token first attends to the takers at or before it)."""
+        if kind == "mlp_kv":
+            x_BTD = x_BTD + mlp_kv.attend_masked(self, x_BTD, take_BT, p)
+            kind = "mlp"
         if kind == "mlp":
             mask, kv = None, None
         elif self.residual_kv:  # every token's key, from the layer's input: plain causal
@@ -195,32 +205,38 @@ class RoutedBlock(Block):
     ) -> Tensor:
         """Decode step: run the block on the rows whose token takes it (`take_N1` on the host),
         and only they append to this layer's cache (with ``skipped_kv="residual"`` every row
-        appends its key and value first). `r_N1` None: the router weights are needed for the gate
-        of the taking rows only (predictor mode), computed here."""
+        appends its key and value first; with "mlp_kv" every row reads the cache). `r_N1` None:
+        the router weights are needed for the gate of the taking rows only (predictor mode),
+        computed here from the stream the router reads, the block's input."""
         sel = take_N1.view(-1).nonzero().view(-1)
         m, n = len(sel), len(take_N1)
-        residual = kind != "mlp" and self.residual_kv
+        x_in = x_N1D
+        if kind == "mlp_kv":  # every row queries the takers' keys; then the takers' MLP
+            x_N1D = x_N1D + mlp_kv.attend_rows(self, x_N1D, sel, p)
+        sub = "mlp" if kind == "mlp_kv" else kind
+        residual = sub != "mlp" and self.residual_kv
         if residual:  # every row stores its key and value, taking the layer or not
             k, v = self.attn.kv(self.attn_norm(x_N1D), p.cos, p.sin)
             p.cache.append(self.layer, k, v)
         if m == 0:
             return x_N1D
         cache, cos, sin, x_M1D, r_M1, sel_d = p.cache, p.cos, p.sin, x_N1D, r_N1, None
+        pick: slice | Tensor = slice(None)
         if m < n:
             sel_d = sel.to(x_N1D.device)
             # One row, the common case at low capacity: slices, not gathers.
             pick = slice(int(sel[0]), int(sel[0]) + 1) if m == 1 else sel_d
             x_M1D, cos, sin = x_N1D[pick], cos[pick], sin[pick]
             r_M1 = None if r_N1 is None else r_N1[pick]
-            cache = None if kind == "mlp" else cache.subset(sel)
+            cache = None if sub == "mlp" else cache.subset(sel)
         if r_M1 is None:
-            r_M1 = self.router_weight(kind, x_M1D)
+            r_M1 = self.router_weight(kind, x_in[pick])
         kv: KVHook | LayerKV | None = None
         if residual:
             kv = LayerKV(*cache.read(self.layer))
         elif cache is not None:
             kv = kv_hook(cache, self.layer, None, decode=True)
-        y_M1D = self.gated(kind, x_M1D, r_M1, cos, sin, None, kv, p)
+        y_M1D = self.gated(sub, x_M1D, r_M1, cos, sin, None, kv, p)
         return y_M1D if sel_d is None else x_N1D.index_copy(0, sel_d, y_M1D)
 
     @staticmethod
@@ -234,6 +250,8 @@ class RoutedBlock(Block):
     ) -> LayerCost:
         routers = len(ROUTE_KINDS[cfg.routing])  # staggered: attention's and the MLP's
         predicted = tokens * routers if cfg.has_predictor else 0.0
+        if cfg.routing == "mlp_kv":  # `attn`: the queries (every token); `mlp`: the takers
+            return mlp_kv.cost(cfg, tokens, attn, mlp, keys, predicted, expert_share)
         if cfg.routing == "mlp":  # attention dense: every token, over every key (`attn` unused)
             topk = mlp is None
             mlp = cfg.capacity_tokens(int(tokens)) if topk else mlp

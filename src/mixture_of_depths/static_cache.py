@@ -34,6 +34,7 @@ from .cache import KVCache
 from .config import MoDConfig
 from .generate import prefill
 from .layers import LayerKV, rope_tables
+from .mlp_kv import attend_static
 from .model import MoDTransformer
 from .precision import at_least_float32
 from .routing import Route
@@ -148,15 +149,18 @@ class StaticKVCache(nn.Module):
         `RoutedBlock.run_rows`, with masks instead of a host-side choice of rows)."""
         r_N1 = block.router_weight(kind, x_N1D)
         take_N1 = (r_N1 if pred_N1 is None else pred_N1) > thr
-        kv = None
-        if kind != "mlp" and block.residual_kv:  # every row stores its key and value
+        kv, sub = None, kind
+        if kind == "mlp_kv":  # every row queries the takers' keys; then the takers' MLP
+            x_N1D = x_N1D + attend_static(self, block, x_N1D, take_N1[:, 0], p)
+            sub = "mlp"
+        if sub != "mlp" and block.residual_kv:  # every row stores its key and value
             k, v = block.attn.kv(block.attn_norm(x_N1D), p.cos, p.sin)
             self.append(block.layer, k, v)
             kv = LayerKV(*self.read(block.layer))
-        elif kind != "mlp":
+        elif sub != "mlp":
             take_N = take_N1[:, 0]
             kv = lambda k, v, mask: self.append_and_read(block.layer, k, v, take_N)  # noqa: E731
-        y_N1D = block.gated(kind, x_N1D, r_N1, p.cos, p.sin, None, kv, p)
+        y_N1D = block.gated(sub, x_N1D, r_N1, p.cos, p.sin, None, kv, p)
         # A skipping row's y may hold NaN (a query over no filled slot): `where` never reads it.
         x_N1D = torch.where(take_N1.unsqueeze(-1), y_N1D, x_N1D)
         return x_N1D, Route(block.layer, kind, take_N1, r_N1, None, pred_N1, thr)

@@ -4,7 +4,6 @@ workers at once and exits 143 too."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -16,8 +15,28 @@ import time
 import pytest
 
 from mixture_of_depths import cli
-from mixture_of_depths.studies import isoflop, runner, workers
+from mixture_of_depths.studies import loader, runner, workers
 from mixture_of_depths.train import MetricsLog
+
+# A user's study outside this repository: a folder whose __init__.py defines STUDY.
+TINY_STUDY = """
+from pathlib import Path
+
+from mixture_of_depths.studies.runner import Folders, Plan, RunSpec, StudySettings
+
+SHAPE = dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
+SETTINGS = StudySettings(budgets=(1e9,), sizes=(("S", SHAPE),), seq_len=32, batch_size=4,
+                         eval_every_runs=1, eval_batches=1, base={}, ablation_size="S")
+
+
+def runs(s):
+    return [RunSpec(name="tiny-s0", group="ablation", label="dense S", budget=1e9,
+                    model={**SHAPE, "layer_pattern": "D"})]
+
+
+STUDY = Plan(name="tiny", settings=lambda quick: SETTINGS, runs=runs,
+             report=lambda results, out, s: None, folders=Folders(str(Path(__file__).parent)))
+"""
 
 
 def test_sigterm_stops_the_study_with_the_runs_checkpoint_and_a_rerun_resumes(
@@ -28,11 +47,9 @@ def test_sigterm_stops_the_study_with_the_runs_checkpoint_and_a_rerun_resumes(
     data.mkdir()
     for i in range(6):
         (data / f"f{i}.py").write_text(f"def f(x):\n    return x * {i}\n" * 200)
-    quick = isoflop.QUICK
-    settings = dataclasses.replace(
-        quick, budgets=(1e9,), sizes=quick.sizes[:1], ablation_size=quick.sizes[0][0]
-    )
-    monkeypatch.setattr(isoflop, "QUICK", settings)
+    study_dir = tmp_path / "tiny_study"
+    study_dir.mkdir()
+    (study_dir / "__init__.py").write_text(TINY_STUDY)
     real_write = MetricsLog.write
 
     def write(self, record):  # noqa: ANN001, ANN202
@@ -44,8 +61,8 @@ def test_sigterm_stops_the_study_with_the_runs_checkpoint_and_a_rerun_resumes(
 
     monkeypatch.setattr(MetricsLog, "write", write)
     out, work = tmp_path / "study", tmp_path / "work"
-    args = ["study", "--quick", "--out", str(out), "--work", str(work), "--data", str(data),
-            "--no-progress"]  # fmt: skip
+    args = ["study", str(study_dir), "--quick", "--out", str(out), "--work", str(work), "--data",
+            str(data), "--no-progress"]  # fmt: skip
     assert cli.main(args) == 143
     err = capsys.readouterr().err
     assert "mod study: stopped by SIGTERM after step" in err
@@ -64,7 +81,8 @@ def test_sigterm_stops_the_study_with_the_runs_checkpoint_and_a_rerun_resumes(
 
     monkeypatch.setattr(runner, "train", train)
     with pytest.raises(KeyboardInterrupt):
-        runner.study(isoflop.ISOFLOP, out, work, quick=True, data=str(data), progress=False)
+        study = loader.load_study(study_dir)
+        runner.study(study, out, work, quick=True, data=str(data), progress=False)
     assert resumed == [True]
     rows = [json.loads(s) for s in (folder / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "lm_loss" in r]
@@ -106,7 +124,7 @@ def test_workers_pass_a_sigterm_on_at_once_and_exit_143(tmp_path, monkeypatch, c
     killer.start()
     try:
         t0 = time.monotonic()
-        assert workers.launch(2, None, None, None, None, True, str(tmp_path)) == 143
+        assert workers.launch(2, None, None, None, None, True, str(tmp_path), ["x"]) == 143
     except KeyboardInterrupt:  # what a SIGTERM became before: the workers got SIGINT, late
         pytest.fail("the SIGTERM was not passed on to the workers")
     finally:

@@ -102,7 +102,7 @@ def _capacities(out: Path) -> list[float | None]:
 
 
 def test_capacity_warmup_defaults_to_a_tenth_of_the_steps_and_resume_keeps_it(corpus, tmp_path):
-    """The default (docs/study/round2): a routed model warms its capacity up over 10% of the
+    """The default (experiments/round2): a routed model warms its capacity up over 10% of the
     steps; `capacity_warmup` steps override the ratio; a dense model has none; a resume that
     extends --steps keeps the warm-up the run began with."""
     from mixture_of_depths.train import resume_config

@@ -16,7 +16,8 @@ MODEL_HELP: dict[str, str] = {
     "layer_pattern": "block kinds, repeated over the layers: D dense, R routed (e.g. DR)",
     "capacity": "share of each sequence's tokens a routed block processes (top-k), in (0, 1]",
     "routing": "what a routed layer routes: joint (the whole block), staggered (attention and "
-    "MLP apart), mlp (only the MLP; attention dense for every token)",
+    "MLP apart), mlp (only the MLP; attention dense for every token), mlp_kv (every token "
+    "queries; only the takers are keys and values and take the MLP)",
     "router_gate": "how the router weight scales a chosen token's update",
     "causal_router": "the causal decision used for sampling: a small predictor, or the "
     "router's own logit trained by an auxiliary loss",

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-LONG_CONTEXT = 1024  # where round 3 measured it (docs/study/round3)
+LONG_CONTEXT = 1024  # where round 3 measured it (experiments/round3)
 
 
 def long_context_note(cfg: MoDConfig, seq_len: int) -> str | None:
@@ -122,7 +122,8 @@ def long_context_note(cfg: MoDConfig, seq_len: int) -> str | None:
     behind dense at equal FLOPs, and the same model with only the MLP routed level with dense
     within the seed spread, at each one's best learning rate; at 5e13 the order differs
     (docs/semantics.md)."""
-    if seq_len < LONG_CONTEXT or not cfg.routed_layers or cfg.routing == "mlp":
+    # "mlp" and "mlp_kv": every token queries every routed layer's attention
+    if seq_len < LONG_CONTEXT or not cfg.routed_layers or cfg.routing in ("mlp", "mlp_kv"):
         return None
     return (
         f"note: routing={cfg.routing!r} at {seq_len} tokens: a token that skips a routed layer "

@@ -4,7 +4,8 @@ runs unchanged on the live rows (docs/serving.md).
 
 A layer's pages hold the tokens that layer caches, exactly as `KVCache` does (docs/kv.md): every
 token in a dense layer (and in a routed one with ``skipped_kv="residual"`` or ``routing="mlp"``),
-only the tokens that took it in any other routed layer. A row holds ``ceil(tokens / page_size)``
+only the tokens that took it in any other routed layer (with ``routing="mlp_kv"`` an entry that
+skips still reads what its row holds there). A row holds ``ceil(tokens / page_size)``
 pages in each layer, allocated when a token lands on a fresh page and returned to the pool when the
 row leaves, so the memory in use follows what each layer actually holds across the live requests.
 A pool's storage is allocated lazily (it grows by half, up to its size in pages, lowest page ids
@@ -208,7 +209,8 @@ class PagedKVCache:
         table = []
         for row, n in zip(rows, upto, strict=True):
             pages = self.tables[row][layer][: -(-n // ps)]
-            table.append(pages + pages[:1] * (P - len(pages)))
+            pad = pages[:1] or [0]  # a row holding nothing reads (masked) page 0
+            table.append(pages + pad * (P - len(pages)))
         idx = torch.tensor(table, dtype=torch.long, device=self.device)
         R = len(rows)
         K = pool.k[idx].view(R, P * ps, *pool.k.shape[2:])[:, :S].transpose(1, 2)
@@ -223,6 +225,21 @@ class _Step:
     def __init__(self, cache: PagedKVCache, rows: list[int], positions: Tensor) -> None:
         self.cache, self.rows, self.positions = cache, rows, positions
         self.slots = [[-1] * len(rows) for _ in cache.pools]
+
+    def upto(self, layer: int) -> list[int]:
+        """Per entry, the slots of its row in `layer` at or before the entry's place: up to the
+        last slot its row's entries up to it appended, else all the row held before this step
+        (an entry that appended nothing, a skipper of a ``routing="mlp_kv"`` layer, reads)."""
+        slots, lengths = self.slots[layer], self.cache.lengths
+        held = {row: lengths[row][layer] for row in self.rows}
+        for row, slot in zip(self.rows, slots, strict=True):
+            held[row] -= slot >= 0  # appended by this step: not held before it
+        out = []
+        for row, slot in zip(self.rows, slots, strict=True):
+            if slot >= 0:
+                held[row] = slot + 1
+            out.append(held[row])
+        return out
 
 
 class PagedView:
@@ -262,14 +279,17 @@ class PagedView:
         pool.v[pages, offs] = v[:, :, 0].to(cache.dtype)
 
     def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """For each entry, what its row holds in `layer` up to the entry's own slot: keys,
+        """For each entry, what its row holds in `layer` up to the entry's own place: keys,
         values (n, n_kv_heads, S, head_dim) and a validity mask (n, 1, 1, S), None when every
         entry sees all S slots."""
         step = self._step
-        upto = [step.slots[layer][e] + 1 for e in self.entries]
-        if min(upto) < 1:
-            raise RuntimeError(f"an entry reads layer {layer} before appending to it")
+        every = step.upto(layer)
+        upto = [every[e] for e in self.entries]
         rows = [step.rows[e] for e in self.entries]
+        if max(upto) == 0:  # nothing held (routing="mlp_kv": no taker yet)
+            pool = step.cache.pools[layer]
+            empty = pool.k.new_zeros(len(rows), pool.k.shape[2], 0, pool.k.shape[3])
+            return empty, empty, None
         distinct = list(dict.fromkeys(rows))
         if len(distinct) == len(rows):  # one entry per row (decoding): no duplicates to expand
             K, V = step.cache._gather(layer, rows, upto)

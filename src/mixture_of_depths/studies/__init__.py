@@ -10,7 +10,7 @@ default folders of each are on its plan (`runner.Plan.folders`, or the module's 
 - `isoflop`, `mode`, `kv`: plans for `runner.study` (`mod study`, ``--plan mode``, ``--plan kv``);
 - `convert`, `round2`: studies with their own loops (``--plan convert``, ``--plan round2``);
 - `measure`, `plots`: decode measurements and figures shared by several plans;
-- `workers`: ``mod study --plan round2 --workers N``; `gpu`: ``python -m
+- `workers`: ``mod study experiments/round2 --workers N``; `gpu`: ``python -m
   mixture_of_depths.studies.gpu``, round 3's deciding arms on one GPU inside a lease.
 
 The rule is one way: studies depend on the library, `mixture_of_depths.train`, `runtime` and

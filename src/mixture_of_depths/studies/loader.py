@@ -36,10 +36,27 @@ def module_name(folder: Path) -> str:
     return f"mod_study_{folder.name.replace('-', '_')}_{digest}"
 
 
+def package_path(folder: Path) -> tuple[Path, str]:
+    """The folder to put on ``sys.path`` and the dotted name to import `folder` by: a study
+    inside a chain of packages (experiments/round3, where experiments/ has an __init__.py)
+    imports as ``experiments.round3``, so that its modules can import their sibling studies."""
+    parts, parent = [folder.name], folder.parent
+    while (parent / ENTRY).is_file() and parent.parent != parent:
+        parts.insert(0, parent.name)
+        parent = parent.parent
+    return parent, ".".join(parts)
+
+
 def load_package(path: str | Path) -> ModuleType:
     """Import the study folder `path` as a package (its modules import each other relatively),
-    once per process."""
+    once per process: by its dotted name where it sits in a chain of packages (`package_path`),
+    else on its own under `module_name`."""
     folder = study_folder(path)
+    root, dotted = package_path(folder)
+    if "." in dotted:
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        return importlib.import_module(dotted)
     name = module_name(folder)
     if name in sys.modules:
         return sys.modules[name]

@@ -54,7 +54,7 @@ class StudySettings:
 # rerun reproduces them whatever the defaults become.
 AUX_ROUTING = dict(causal_router="aux_loss", router_gate="sigmoid", aux_loss_weight=0.1)
 
-# Rows written before the predictor became the default (docs/study/round2) may name no causal
+# Rows written before the predictor became the default (experiments/round2) may name no causal
 # router: those models trained with the aux loss at 0.1, and are rebuilt so.
 LEGACY_ROUTING = dict(causal_router="aux_loss", aux_loss_weight=0.1)
 
@@ -87,19 +87,18 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class Folders:
-    """A study's default folders: its results (committed) and its runs' checkpoints. Where
-    `quick_apart`, a ``--quick`` smoke run writes beside them (``<folder>-quick``), so it never
-    touches the committed results."""
+    """A study's folders, all inside its own folder `root` (experiments/<study>): its results,
+    report and figures in `root` (committed), its runs' checkpoints in ``root/runs`` (ignored
+    by git); a ``--quick`` smoke run in ``root/quick`` (ignored too), never over the committed
+    results, and never in whatever folder the user stands in."""
 
-    out: str
-    work: str
-    quick_apart: bool = False
+    root: str
 
     def out_for(self, quick: bool) -> str:
-        return self.out + ("-quick" if quick and self.quick_apart else "")
+        return str(Path(self.root) / "quick") if quick else self.root
 
     def work_for(self, quick: bool) -> str:
-        return self.work + ("-quick" if quick and self.quick_apart else "")
+        return str(Path(self.out_for(quick)) / "runs")
 
 
 def budget_tag(b: float) -> str:
@@ -302,6 +301,17 @@ def load_results(path: Path) -> list[dict[str, Any]]:
             row["model"] = {**LEGACY_ROUTING, **model}
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A study with a loop of its own (a conversion pipeline, a GPU lease): `run(out, work,
+    quick, data, progress)` runs or resumes it and returns its exit status; `folders` are its
+    defaults."""
+
+    name: str
+    folders: Folders
+    run: Callable[[Path, Path, bool, str | None, bool], int]
 
 
 @dataclass(frozen=True)

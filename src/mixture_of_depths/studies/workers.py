@@ -1,4 +1,5 @@
-"""`mod study --plan round2|round3 --workers N`: N processes of a round, each claiming its own
+"""`mod study FOLDER --workers N`: N processes of a study that plans from its results (a
+`rounds.Round`), each claiming its own
 runs (`rounds.run`), with the cores split between them: small models use one thread better than
 two. Each worker prints a line per run it finishes; a bar per process would garble the terminal.
 """
@@ -26,17 +27,16 @@ def launch(
     max_runs: int | None,
     quick: bool,
     report_dir: str,
-    target: list[str] | None = None,
+    target: list[str],
 ) -> int:
-    """Run `workers` processes of ``mod study <target>`` (a round: `studies.rounds`; `target`:
-    a study folder, or ``--plan round2|round3``) on the
+    """Run `workers` processes of ``mod study <target>`` (`target`: the study's folder, a
+    `studies.rounds.Round`) on the
     same folders (`out`, `work`: None for the defaults) and wait for them all; the exit status
     is the first failure's, else 0. `report_dir` is where they write, for the messages."""
     cores = usable_cores()
     if workers > cores:
         raise ValueError(f"--workers must be at most the {cores} cores here, got {workers}")
     threads = max(1, cores // workers)
-    target = ["--plan", "round2"] if target is None else target
     cmd = [sys.executable, "-m", "mixture_of_depths", "study", *target, "--no-progress"]
     for flag, value in (("--out", out), ("--work", work), ("--data", data),
                         ("--max-runs", max_runs)):  # fmt: skip

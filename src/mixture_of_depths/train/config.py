@@ -73,7 +73,7 @@ class TrainConfig:
     distill: float = 0.0
     # Capacity warm-up: a routed model's capacity goes linearly from 1.0 down to its own over
     # the first `capacity_warmup_ratio` of the steps (the second round of the isoFLOP study,
-    # docs/study/round2: 10% lowered the causal loss on both seeds), or over `capacity_warmup`
+    # experiments/round2: 10% lowered the causal loss on both seeds), or over `capacity_warmup`
     # steps when that is > 0. Its extra compute is spent like any other; 0 and 0.0: none.
     capacity_warmup: int = 0
     capacity_warmup_ratio: float = 0.1

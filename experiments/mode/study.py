@@ -1,0 +1,274 @@
+"""`mod study experiments/mode`: Mixture-of-Depths-and-Experts at equal training FLOPs.
+
+At each budget, one model shape trained as: dense; MoD (every other block routed, 12.5%); MoE (4
+SwiGLU experts of the dense MLP's size, token-choice top-1: the same active parameters as dense);
+MoE with capacity factor 0.5 (the overflow dropped in training); staged MoDE (MoD's routing with
+MoE's experts); integrated MoDE (4 real + 4 no-op experts); and integrated MoDE with the same
+capacity factor 0.5 as the dropping baseline. What each claim compares (its baseline and its best
+MoDE variant) trains again with a second seed, and a claim holds only where its difference
+clears the seed spread of those two runs. The paper's two claims (arXiv:2404.02258, section 3.6):
+MoDE improves on MoE, and integrated MoDE beats lowering the capacity and dropping.
+
+FLOPs: each run trains for floor(budget / training FLOPs per step), counted by `estimate_flops`
+with its default expert share, the bound: every slot runs a real expert, or at most the
+capacity's share. No run is charged less than it can spend, so no variant buys steps with
+compute it might not save; integrated MoDE without a capacity is charged as MoE is (its no-op
+savings are learned, not guaranteed), and the variant with capacity 0.5 is charged exactly what
+the dropping baseline is. What each run actually spent (from the shares it logged) is reported
+beside it. Runs and resumption are `runner.study`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mixture_of_depths.fileio import atomic_write_text, json_text
+from mixture_of_depths.studies.plots import plot_vs_dense
+from mixture_of_depths.studies.runner import (
+    AUX_ROUTING,
+    Folders,
+    Plan,
+    RunSpec,
+    StudySettings,
+    budget_tag,
+    mean_seeds,
+    second_seed,
+    seed_gaps,
+)
+
+EXPERTS = dict(n_experts=4, experts_per_token=1)
+ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
+    ("dense", "dense", dict(layer_pattern="D")),
+    ("MoD", "mod", dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING)),
+    ("MoE", "moe", dict(layer_pattern="D", **EXPERTS)),
+    (
+        "MoE, capacity 0.5 (drops)",
+        "moe-drop",
+        dict(layer_pattern="D", **EXPERTS, expert_capacity_factor=0.5),
+    ),
+    ("staged MoDE", "staged", dict(layer_pattern="DR", capacity=0.125, **AUX_ROUTING, **EXPERTS)),
+    ("integrated MoDE", "integrated", dict(layer_pattern="D", **EXPERTS, n_noop_experts=4)),
+    (
+        "integrated MoDE, capacity 0.5",
+        "integrated-cap",
+        dict(layer_pattern="D", **EXPERTS, n_noop_experts=4, expert_capacity_factor=0.5),
+    ),
+)
+
+# The isoFLOP study's best size at these budgets (experiments/isoflop/report.md: XS at 5e12 and
+# 1.6e13).
+FULL = StudySettings(
+    budgets=(5e12, 1e13),
+    sizes=(("XS", dict(d_model=64, n_layers=4, n_heads=4)),),
+    seq_len=256,
+    batch_size=16,
+    eval_every_runs=2,
+    eval_batches=8,
+    base=dict(max_seq_len=256),
+    ablation_size="XS",
+)
+
+QUICK = StudySettings(
+    budgets=(2e9, 6e9),
+    sizes=(("S", dict(d_model=32, n_layers=2, n_heads=2)),),
+    seq_len=32,
+    batch_size=4,
+    eval_every_runs=1,
+    eval_batches=1,
+    base=dict(max_seq_len=32),
+    ablation_size="S",
+)
+
+
+def plan(settings: StudySettings) -> list[RunSpec]:
+    """Every architecture at every budget, one size (second seeds come once a budget is done)."""
+    size, shape = settings.sizes[0]
+    return [
+        RunSpec(
+            name=f"{budget_tag(budget)}-{tag}-{size}-s0",
+            group="isoflop",
+            label=label,
+            budget=budget,
+            model={**settings.base, **shape, **over},
+        )
+        for budget in settings.budgets
+        for label, tag, over in ARCHS
+    ]
+
+
+def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
+    """Second seeds for what each claim compares: its baseline and its best MoDE variant (by the
+    first seed's loss), so each verdict weighs its own difference against those runs' spread."""
+    first = {r["label"]: r for r in results if r["budget"] == budget and r["seed"] == 0}
+    labels: list[str] = []
+    for _, contenders, base in CLAIMS:
+        have = [c for c in contenders if c in first]
+        if base in first and have:
+            best = min(have, key=lambda c: judged_loss(first[c]))
+            labels += [lab for lab in (base, best) if lab not in labels]
+    return [second_seed(first[lab]) for lab in labels]
+
+
+def judged_loss(r: dict[str, Any]) -> float:
+    """The loss a model is judged by: causal where MoD routing makes it differ (what generation
+    gets); for the others both modes are one computation (no dropping outside training)."""
+    return r["val_loss_causal"]
+
+
+# -- findings --------------------------------------------------------------------------------------
+CLAIMS = (
+    ("MoDE improves on MoE", ("staged MoDE", "integrated MoDE"), "MoE"),
+    (
+        "integrated MoDE beats MoE that drops at capacity 0.5",
+        ("integrated MoDE, capacity 0.5", "integrated MoDE"),
+        "MoE, capacity 0.5 (drops)",
+    ),
+    # Ours, not the paper's: a MoDE variant runs MoD's routing, so it takes MoD's extra steps;
+    # whether the experts add anything beyond them is this comparison (plain MoD's second seed).
+    (
+        "MoDE improves on plain MoD (its gain is more than MoD's extra steps)",
+        ("staged MoDE", "integrated MoDE"),
+        "MoD",
+    ),
+)
+
+
+def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per budget: each architecture's loss (mean over seeds), the seed spread, and each claim's
+    verdict: the better of its MoDE variants against its baseline, a difference beyond the spread
+    or not."""
+    out: dict[str, Any] = {"budgets": []}
+    for budget in sorted({r["budget"] for r in results}):
+        rows = [r for r in results if r["budget"] == budget]
+        loss = mean_seeds([{**r, "judged": judged_loss(r)} for r in rows], "judged")
+        gaps = seed_gaps(rows)
+        spread = max(gaps.values()) if gaps else None
+        claims = []
+        for text, contenders, base in CLAIMS:
+            have = [c for c in contenders if c in loss]
+            if base not in loss or not have:
+                continue
+            best = min(have, key=loss.get)
+            diff = loss[base] - loss[best]  # > 0: the MoDE variant is better
+            # The noise this difference is weighed against: the seed gaps of the two runs it
+            # compares (the best of two variants is picked, so a win must clear both).
+            own = [gaps[lab] for lab in (base, best) if lab in gaps]
+            spread_c = max(own) if len(own) == 2 else None
+            if spread_c is None:
+                verdict = "no second seed for both yet"
+            elif abs(diff) <= spread_c:
+                verdict = "within the seed spread: not shown at this scale"
+            else:
+                verdict = "holds" if diff > 0 else "does not hold (the baseline is better)"
+            claims.append(
+                {
+                    "claim": text,
+                    "best": best,
+                    "best_loss": loss[best],
+                    "baseline": base,
+                    "baseline_loss": loss[base],
+                    "gain": diff / loss[base],
+                    "seed_spread": spread_c,
+                    "verdict": verdict,
+                }
+            )
+        out["budgets"].append(
+            {"budget": budget, "loss": loss, "seed_spread": spread, "claims": claims}
+        )
+    return out
+
+
+def format_findings(f: dict[str, Any]) -> list[str]:
+    lines = ["## The paper's claims at this scale (and whether MoDE adds to plain MoD)", ""]
+    for b in f["budgets"]:
+        sp = "no second seed yet" if b["seed_spread"] is None else f"{b['seed_spread']:.4f}"
+        lines.append(f"Budget {b['budget']:.1e} FLOPs (largest seed spread {sp}):")
+        lines.append("")
+        for c in b["claims"]:
+            sp_c = "-" if c["seed_spread"] is None else f"{c['seed_spread']:.4f}"
+            lines.append(
+                f"- {c['claim']}: {c['verdict']}. Best MoDE variant {c['best']} "
+                f"{c['best_loss']:.4f} against {c['baseline']} {c['baseline_loss']:.4f} "
+                f"({100 * c['gain']:+.2f}%; their seed spread {sp_c})."
+            )
+        lines.append("")
+    return lines
+
+
+# -- report ----------------------------------------------------------------------------------------
+_HEADER = (
+    "| model | seed | params | FLOPs/fwd token charged | spent | steps | val loss top-k | "
+    "val loss causal | train tok/s | tokens running a real expert (eval), per layer | "
+    "expert slots run in training, per layer |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _shares(d: dict[str, float] | None) -> str:
+    return "" if not d else " ".join(f"{100 * v:.0f}%" for v in d.values())
+
+
+def _row(r: dict[str, Any]) -> str:
+    spent = r.get("flops_per_forward_token_spent", r["flops_per_forward_token"])
+    return (
+        f"| {r['label']} | {r['seed']} | {r['params'] / 1e6:.2f}M | "
+        f"{r['flops_per_forward_token'] / 1e6:.3f}M | {spent / 1e6:.3f}M | {r['steps']} | "
+        f"{r['val_loss_topk']:.4f} | {r['val_loss_causal']:.4f} | {r['tokens_per_s']:,.0f} | "
+        f"{_shares(r.get('expert_take_rate'))} | {_shares(r.get('train_expert_share'))} |"
+    )
+
+
+def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettings) -> None:
+    order = {label: i for i, (label, _, _) in enumerate(ARCHS)}
+    intro = [
+        "# MoDE study: dense, MoD, MoE and Mixture-of-Depths-and-Experts at equal training FLOPs",
+        "",
+        f"Default corpus, byte tokenizer, sequences of {settings.seq_len} tokens, batch "
+        f"{settings.batch_size}, one shape ({settings.sizes[0][0]}: {settings.sizes[0][1]}). "
+        "Experts: 4 SwiGLU experts of the dense MLP's size, token-choice top-1 (the same "
+        "active parameters as dense); integrated MoDE adds 4 no-op experts. Each run trains "
+        "for floor(budget / training FLOPs per step); expert layers are charged their bound "
+        "(every slot a real expert, or the capacity's share), and the FLOPs each run actually "
+        "spent are beside it. Losses are validation losses in nats per token, judged by the "
+        "causal one (what generation gets; equal to top-k where no MoD routing runs, since "
+        "nothing drops outside training). Generated by `mod study experiments/mode`; plot: "
+        "`mode.png`.",
+        "",
+    ]
+    body: list[str] = []
+    for budget in sorted({r["budget"] for r in results}):
+        rows = [r for r in results if r["budget"] == budget]
+        body += [f"## Budget {budget:.1e} FLOPs", "", _HEADER]
+        body += [
+            _row(r) for r in sorted(rows, key=lambda r: (order.get(r["label"], 99), r["seed"]))
+        ]
+        body.append("")
+    summary = findings(results)
+    atomic_write_text(
+        out / "report.md", "\n".join([*intro, *format_findings(summary), *body]) + "\n"
+    )
+    atomic_write_text(out / "findings.json", json_text(summary, indent=1) + "\n")
+    try:
+        _plot(results, out, summary)
+    except Exception as exc:  # plots are a convenience; the results are already saved
+        print(f"note: plot failed: {exc!r}")
+
+
+def _plot(results: list[dict[str, Any]], out: Path, summary: dict[str, Any]) -> None:
+    budgets = [b for b in summary["budgets"] if "dense" in b["loss"]]  # the bars' reference
+    labels = [label for label, _, _ in ARCHS if any(label in b["loss"] for b in budgets)]
+    if not labels:
+        return
+    groups = [(f"{b['budget']:.2g} FLOPs", b["loss"], b["seed_spread"]) for b in budgets]
+    title = "MoD, MoE and MoDE at equal training FLOPs (whiskers: seed spread)"
+    plot_vs_dense(groups, labels, out / "mode.png", title, rotate=True)
+
+
+PLAN = Plan(  # the module's globals are read at call time (tests cut the plan down)
+    name="mode",
+    settings=lambda quick: QUICK if quick else FULL,
+    runs=lambda settings: plan(settings),
+    report=lambda results, out, settings: write_report(results, out, settings),
+    folders=Folders(str(Path(__file__).resolve().parent)),
+    seeds=lambda results, budget, settings: seed_specs(results, budget),
+)
