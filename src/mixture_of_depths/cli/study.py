@@ -11,7 +11,7 @@ from typing import Any
 
 from ..studies import loader, rounds, workers
 from ..studies.rounds import Round
-from ..studies.runner import Loop, Plan, study
+from ..studies.runner import Loop, Plan, rewrite_report, study
 from ..train import TrainingStopped
 
 
@@ -49,6 +49,12 @@ def add_parser(sub: Any, name: str) -> None:
         "processes sharing the cores (each with cores/workers threads): small models use one "
         "thread better than two (default: %(default)s)",
     )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="train nothing: rewrite the report, findings and figures from the results in "
+        "--out (byte-stable: a second run changes nothing)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
     p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
     p.add_argument(
@@ -82,6 +88,10 @@ def _run(args: argparse.Namespace) -> int:
     the_study = loader.load_study(folder)
     out = Path(args.out) if args.out else loader.out_for(folder, args.quick)
     work = Path(args.work) if args.work else out / "runs"
+    if args.report:
+        rewrite_report(the_study, out, args.quick)
+        print(f"report: {out}/report.md")
+        return 0
     adaptive = isinstance(the_study, Round)
     if not adaptive and (args.workers != 1 or args.max_runs is not None):
         raise ValueError(f"--workers and --max-runs apply to a study that plans from its results "

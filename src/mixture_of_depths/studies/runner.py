@@ -303,6 +303,21 @@ def load_results(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def rewrite_report(study: Any, out: Path, quick: bool = False) -> None:
+    """Rewrite `study`'s report, findings and figures from the results in `out` alone, training
+    nothing (`mod study FOLDER --report`): a `Plan` or a `rounds.Round` from its results.jsonl,
+    a `Loop` by its own `report`."""
+    if isinstance(study, Loop):
+        if study.report is None:
+            raise ValueError(f"study {study.name!r} cannot rewrite its report from its results")
+        study.report(out, quick)
+        return
+    results = load_results(out / "results.jsonl")
+    if not results:
+        raise ValueError(f"no results in {out / 'results.jsonl'}: nothing to report")
+    study.report(results, out, study.settings(quick))
+
+
 @dataclass(frozen=True)
 class Loop:
     """A study with a loop of its own (a conversion pipeline, a GPU lease): `run(out, work,
@@ -312,6 +327,8 @@ class Loop:
     name: str
     folders: Folders
     run: Callable[[Path, Path, bool, str | None, bool], int]
+    # its report rewritten from the results in `out` (`mod study FOLDER --report`)
+    report: Callable[[Path, bool], None] | None = None
 
 
 @dataclass(frozen=True)
