@@ -14,6 +14,7 @@ from mixture_of_depths.generate import (
     prefill,
     router_names,
 )
+from mixture_of_depths.routing import route_name
 
 MAX_LEN = 64
 LENS = (5, 11, 8)  # prompt lengths of the default batch: unequal, the longest not first
@@ -28,9 +29,16 @@ MODES = [
     ("staggered", "predictor"),
     ("mlp", "aux_loss"),
     ("mlp", "predictor"),
+    ("mlp_kv", "aux_loss"),
+    ("mlp_kv", "predictor"),
 ]
 # Each routing mode once, both causal routers among them: for the tests that need not run all.
-SOME_MODES = [("joint", "aux_loss"), ("staggered", "predictor"), ("mlp", "predictor")]
+SOME_MODES = [
+    ("joint", "aux_loss"),
+    ("staggered", "predictor"),
+    ("mlp", "predictor"),
+    ("mlp_kv", "predictor"),
+]
 
 
 # -- models and prompts -------------------------------------------------------------------------
@@ -62,10 +70,11 @@ def pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def attn_router_column(model: MoDTransformer, layer: int) -> int | None:
     """Index, in the routing decisions, of the router whose choice fills layer `layer`'s cache;
     None where every token fills it (a dense layer, or attention dense with routing="mlp")."""
-    if model.config.layer_kinds[layer] == "D" or model.config.routing == "mlp":
+    routing = model.config.routing
+    if model.config.layer_kinds[layer] == "D" or routing == "mlp":
         return None
-    name = str(layer) if model.config.routing == "joint" else f"{layer}.attn"
-    return router_names(model).index(name)
+    kind = {"joint": "block", "staggered": "attn", "mlp_kv": "mlp_kv"}[routing]
+    return router_names(model).index(route_name(layer, kind))
 
 
 def cached_tokens(model: MoDTransformer, layer: int, decisions_TR: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def test_dense_model_cached_equals_reference():
     assert got.router_names == [] and got.routing[0].shape == (LENS[0] + N_NEW, 0)
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp"])
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp", "mlp_kv"])
 def test_float64_cached_logits_equal_full_recomputation(routing):
     """A float64 model decodes in float64: every step's logits equal the full causal forward's to
     1e-10 (read from `stream`, which hands out the logits in the model's dtype)."""
@@ -129,8 +129,9 @@ def _pick_eos(tokens: list[list[int]], n_new: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize(
     "routing, skipped_kv",
-    [("joint", "none"), ("staggered", "none"), ("staggered", "residual"), ("mlp", "none")],
-)
+    [("joint", "none"), ("staggered", "none"), ("staggered", "residual"), ("mlp", "none"),
+     ("mlp_kv", "none")],
+)  # fmt: skip
 def test_eos_stops_one_row_while_others_go_on(routing, skipped_kv):
     model = make_model(routing=routing, causal_router="predictor", dtype=F64, skipped_kv=skipped_kv)
     prompts = make_prompts((6, 10, 4, 9), seed=3)

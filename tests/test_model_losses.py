@@ -16,8 +16,9 @@ from model_helpers import STRICT, T, make_model, tokens
 from reference import topk_set
 
 from mixture_of_depths import MoDConfig, MoDTransformer, capacity_tokens
+from mixture_of_depths.config import ROUTE_KINDS
 
-MODES = ["joint", "staggered", "mlp"]  # config.ROUTING_MODES
+MODES = ["joint", "staggered", "mlp", "mlp_kv"]  # config.ROUTING_MODES
 
 # -- gradients ----------------------------------------------------------------------------------
 
@@ -224,7 +225,7 @@ def test_rows_are_independent(routing, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_routers_and_predictors_are_found_by_name(mode, causal_router):
     model = make_model(routing=mode, causal_router=causal_router, layer_pattern="DR")
-    kinds = {"joint": ["block"], "staggered": ["attn", "mlp"], "mlp": ["mlp"]}[mode]
+    kinds = ROUTE_KINDS[mode]
     names = {n for n, _ in model.named_modules()}
     want = {f"blocks.{i}.router.{k}" for i in (1, 3) for k in kinds}
     assert {n for n in names if ".router." in n} == want

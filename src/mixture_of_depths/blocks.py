@@ -169,8 +169,8 @@ class Block(nn.Module):
         is unused; with ``routing="mlp_kv"`` `attn` counts the queries and `mlp` the takers,
         which alone project keys), and each attention query sees `keys` keys (default: all the
         tokens that run attention, or with ``skipped_kv="residual"`` all the tokens, whose keys
-        the skippers project too; with "mlp_kv", the takers). With experts, `expert_share` of the MLP's slots run a real expert
-        (`layers.price`)."""
+        the skippers project too; with "mlp_kv", the takers). With experts, `expert_share` of
+        the MLP's slots run a real expert (`layers.price`)."""
         raise NotImplementedError
 
 
