@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..studies import loader, rounds, workers
+from ..studies import loader, rounds, scheduler, workers
 from ..studies.rounds import Round
 from ..studies.runner import Loop, Plan, rewrite_report, study
 from ..train import TrainingStopped
@@ -55,6 +55,30 @@ def add_parser(sub: Any, name: str) -> None:
         help="train nothing: rewrite the report, findings and figures from the results in "
         "--out (byte-stable: a second run changes nothing)",
     )
+    sched = p.add_argument_group(
+        "on another scheduler",
+        "run the study's runs elsewhere (a cluster, more cores) and bring them back: print them, "
+        "run them, then --collect; a study that plans from its results gives the runs called "
+        "for so far: collect, then ask again",
+    )
+    sched.add_argument(
+        "--commands",
+        action="store_true",
+        help="print each pending run as a mod train command line (its folder under --work); "
+        "an interrupted one resumes with mod train --out FOLDER --resume",
+    )
+    sched.add_argument(
+        "--slurm", default=None, metavar="FILE", help="write the pending runs as a Slurm array "
+        "script (sbatch FILE); a requeued task resumes its run"
+    )  # fmt: skip
+    sched.add_argument(
+        "--torchrun", type=int, default=0, metavar="N",
+        help="with --commands or --slurm: each run under torchrun with N processes per node",
+    )  # fmt: skip
+    sched.add_argument(
+        "--collect", action="store_true", help="add the runs that finished under --work to the "
+        "results (with the study's profile of each) and rewrite the report"
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
     p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
     p.add_argument(
@@ -92,6 +116,8 @@ def _run(args: argparse.Namespace) -> int:
         rewrite_report(the_study, out, args.quick)
         print(f"report: {out}/report.md")
         return 0
+    if args.commands or args.slurm or args.collect:
+        return _elsewhere(args, the_study, out, work)
     adaptive = isinstance(the_study, Round)
     if not adaptive and (args.workers != 1 or args.max_runs is not None):
         raise ValueError(f"--workers and --max-runs apply to a study that plans from its results "
@@ -118,4 +144,26 @@ def _run(args: argparse.Namespace) -> int:
                          f"studies.rounds.Round or a studies.runner.Loop, got "
                          f"{type(the_study).__name__}")  # fmt: skip
     print(f"{len(results)} runs in {out}/results.jsonl; report: {out}/report.md")
+    return 0
+
+
+def _elsewhere(args: argparse.Namespace, the_study: Any, out: Path, work: Path) -> int:
+    """--commands, --slurm, --collect: the study's runs on someone else's scheduler."""
+    if isinstance(the_study, Loop):
+        raise ValueError(f"{args.study} runs a loop of its own: it has no runs to print")
+    if args.torchrun < 0:
+        raise ValueError(f"--torchrun must be >= 0, got {args.torchrun}")
+    if args.collect:
+        got = scheduler.collect(the_study, out, work, args.quick, args.data)
+        print(f"collected {len(got)} runs into {out}/results.jsonl; report: {out}/report.md")
+        return 0
+    runs = scheduler.commands(the_study, out, work, args.quick, args.data, args.torchrun)
+    if args.slurm:
+        name = Path(args.study).resolve().name
+        script = scheduler.slurm_script([c for c, _ in runs], [o for _, o in runs], name, work)
+        Path(args.slurm).write_text(script)
+        print(f"{len(runs)} runs in {args.slurm}: sbatch {args.slurm}, then mod study "
+              f"{args.study} --collect", file=sys.stderr)  # fmt: skip
+    else:
+        print("\n".join(c for c, _ in runs))
     return 0

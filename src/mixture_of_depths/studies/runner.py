@@ -142,11 +142,21 @@ def seed_gaps(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {lab: abs(s[0] - s[1]) for lab, s in by_label.items() if 0 in s and 1 in s}
 
 
-def run_one(
-    spec: RunSpec, settings: StudySettings, work: Path, data: str | None, progress: bool = False
-) -> dict:
-    """Train `spec` to its budget in ``<work>/<name>`` (resuming from its checkpoint if it has
-    one) and return its result row."""
+@dataclass(frozen=True)
+class Prepared:
+    """What a run trains, fixed before it starts: its spec (with the vocabulary counted in),
+    model, training run, and the training FLOPs its steps spend."""
+
+    spec: RunSpec
+    model: MoDConfig
+    train: TrainConfig
+    spent: float
+
+
+def prepare(spec: RunSpec, settings: StudySettings, work: Path, data: str | None) -> Prepared:
+    """The model and training run of `spec` in ``<work>/<name>``: as many steps as its budget
+    buys, its warm-ups, evaluations and checkpoints (the one place a spec becomes a run, for
+    `run_one` and for the command lines a scheduler runs, `scheduler.commands`)."""
     model = dict(spec.model)
     if settings.tokenizer != "byte" and "vocab_size" not in model:
         # The model's vocabulary is the tokenizer's (training sets it): count its FLOPs.
@@ -160,10 +170,9 @@ def run_one(
         cfg, seq_len, batch_size, spec.budget, spec.capacity_warmup
     )
     evals = settings.eval_every_runs if spec.evaluations is None else spec.evaluations
-    out = work / spec.name
     log_every = max(1, min(10, steps))
     tc = TrainConfig(
-        out=str(out),
+        out=str(work / spec.name),
         data=data,
         tokenizer=settings.tokenizer,
         batch_size=batch_size,
@@ -181,12 +190,23 @@ def run_one(
         seed=spec.seed,
         **({} if spec.lr is None else {"lr": spec.lr}),
     )
+    return Prepared(spec, cfg, tc, spent)
+
+
+def run_one(
+    spec: RunSpec, settings: StudySettings, work: Path, data: str | None, progress: bool = False
+) -> dict:
+    """Train `spec` to its budget in ``<work>/<name>`` (resuming from its checkpoint if it has
+    one) and return its result row."""
+    run = prepare(spec, settings, work, data)
+    out = Path(run.train.out)
     resume = has_checkpoint(out)  # .checkpoint.old counts: a kill between a write's renames
     t0 = time.perf_counter()
     summary = train(
-        None if resume else cfg, tc, resume=resume, overwrite=not resume, progress=progress
-    )
-    return _result_row(spec, cfg, tc, summary, spent, t0)
+        None if resume else run.model, run.train, resume=resume, overwrite=not resume,
+        progress=progress,
+    )  # fmt: skip
+    return result_row(run, summary, time.perf_counter() - t0)
 
 
 def lr_warmup_steps(spec: RunSpec, steps: int) -> int:
@@ -197,15 +217,10 @@ def lr_warmup_steps(spec: RunSpec, steps: int) -> int:
     return max(1, min(steps, round(spec.lr_warmup * steps)))
 
 
-def _result_row(
-    spec: RunSpec,
-    cfg: MoDConfig,
-    tc: TrainConfig,
-    summary: dict[str, Any],
-    spent: float,
-    t0: float,
-) -> dict[str, Any]:
-    """The results.jsonl row of a run that finished training; `t0`: when it started."""
+def result_row(run: Prepared, summary: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """The results.jsonl row of a run that finished training (its `train` summary), which took
+    `wall_s` seconds here."""
+    spec, cfg, tc, spent = run.spec, run.model, run.train, run.spent
     per_step = estimate_flops(cfg, tc.seq_len, tc.batch_size, with_dense=False)
     acc = summary["routing_accuracy"]
     # The routing as built, not left to defaults that may change (see LEGACY_ROUTING).
@@ -224,7 +239,7 @@ def _result_row(
         "causal_take_rate": summary["causal_take_rate"],
         "train_time_s": summary["train_time_s"],
         "tokens_per_s": summary["tokens"] / max(summary["train_time_s"], 1e-9),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall_s,
     }
     if summary.get("copy_probe"):
         row["copy_probe"] = summary["copy_probe"]
