@@ -32,8 +32,9 @@ def test_a_threshold_has_the_asked_share_above_it_and_no_score_near_it(take):
 
 @pytest.mark.parametrize(
     "routing,causal_router",
-    [("joint", "predictor"), ("joint", "aux_loss"), ("staggered", "predictor")],
-)
+    [("joint", "predictor"), ("joint", "aux_loss"), ("staggered", "predictor"),
+     ("mlp_kv", "predictor")],
+)  # fmt: skip
 def test_fitted_thresholds_give_each_router_the_capacity(routing, causal_router):
     model = make_model(  # "DR": each router reads a dense block's output, not bare embeddings
         tiny_config(routing=routing, causal_router=causal_router, capacity=0.25, layer_pattern="DR")
@@ -123,11 +124,13 @@ def test_bad_thresholds_are_refused_by_name():
         fit_thresholds(make_model(tiny_config(layer_pattern="D")), [random_tokens(1, 8, seed=0)])
 
 
+@pytest.mark.parametrize("routing", ["joint", "mlp_kv"])
 def test_mod_calibrate_writes_a_checkpoint_whose_take_rates_are_the_capacity(
-    corpus, tmp_path, capsys
+    corpus, tmp_path, capsys, routing
 ):
     run = tmp_path / "run"
-    train(MoDConfig(**TINY), tc(corpus, run, steps=8, eval_batches=4, seq_len=32), progress=False)
+    cfg = MoDConfig(**TINY, routing=routing)
+    train(cfg, tc(corpus, run, steps=8, eval_batches=4, seq_len=32), progress=False)
     out = tmp_path / "calibrated"
     capsys.readouterr()  # the training's lines
     assert main(["calibrate", str(run / "checkpoint"), "--out", str(out), "--json"]) == 0

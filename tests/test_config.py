@@ -132,8 +132,13 @@ def test_tiny_preset_builds_and_runs():
         (dict(n_layers=0), ["n_layers", "0"]),
         (dict(vocab_size=2.5), ["vocab_size", "2.5"]),
         (dict(aux_loss_weight=-1.0), ["aux_loss_weight", "-1.0"]),
+        # routing="mlp_kv" keys only its takers, and routes layers, not recursion steps
+        (dict(routing="mlp_kv", skipped_kv="residual"), ["skipped_kv='residual'", "mlp_kv",
+                                                           "skipped_kv='none'"]),
+        (dict(routing="mlp_kv", layer_pattern="D", n_layers=4, recursions=2),
+         ["routing='mlp_kv'", "recursions=2", "routing='joint'"]),
     ],
-)
+)  # fmt: skip
 def test_invalid_config_raises_value_error_naming_the_value(overrides, needles):
     with pytest.raises(ValueError) as err:
         MoDConfig(**overrides)

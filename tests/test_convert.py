@@ -60,9 +60,12 @@ def test_converted_at_full_capacity_gives_the_original_logits(kind, tie):
     x = tokens()
     with torch.no_grad():
         want = hf(x).logits
-        for pattern in ("DR", "R"):
-            model = convert(hf.state_dict(), hf.config.to_dict(), pattern, capacity=1.0).eval()
+        for pattern, routing in (("DR", "joint"), ("R", "joint"), ("DR", "mlp_kv")):
+            model = convert(
+                hf.state_dict(), hf.config.to_dict(), pattern, capacity=1.0, routing=routing
+            ).eval()
             assert model.config.router_gate == "straight_through"
+            assert model.config.routing == routing
             assert model.config.rope_theta == 500000.0 and model.config.norm_eps == 1e-6
             got = model(x, routing="topk").logits
             assert want.abs().max() > 1  # logits large enough for a wrong mapping to show
@@ -102,10 +105,19 @@ def test_convert_through_folders_and_the_cli(tmp_path, capsys):
     out = tmp_path / "mod"
     args = ["convert", "--from-hf", str(src), "--out", str(out), "--capacity", "1.0"]
     assert main(args) == 0
-    assert "2 routed at capacity 1.0" in capsys.readouterr().out
+    assert "2 routed at capacity 1.0, joint routing" in capsys.readouterr().out
     model, cfg = load_model(out)
     assert isinstance(load_tokenizer(out), ByteTokenizer)
     x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.eval()(x, routing="topk").logits, hf(x).logits, rtol=0, atol=1e-5
+        )
+    kv = tmp_path / "mod-kv"  # every token queries, the takers are keys: at 1.0, every token
+    assert main([*args[:4], str(kv), *args[5:], "--routing", "mlp_kv"]) == 0
+    assert "mlp_kv routing" in capsys.readouterr().out
+    model, cfg = load_model(kv)
+    assert cfg.routing == "mlp_kv"
     with torch.no_grad():
         torch.testing.assert_close(
             model.eval()(x, routing="topk").logits, hf(x).logits, rtol=0, atol=1e-5

@@ -174,6 +174,9 @@ VARIANTS = {
     # routing="mlp": attention dense, the routed MLP an expert layer
     "staged-mlp": dict(layer_pattern="RDR", n_experts=3, n_noop_experts=1, routing="mlp",
                        causal_router="predictor"),
+    # routing="mlp_kv": every token queries the takers' keys, the takers' MLP an expert layer
+    "staged-mlp-kv": dict(layer_pattern="RDR", n_experts=3, n_noop_experts=1, routing="mlp_kv",
+                          causal_router="predictor"),
 }  # fmt: skip
 
 
@@ -216,7 +219,7 @@ def test_expert_config_is_checked():
     assert MoDConfig(n_experts=4, experts_per_token=2).d_ff_expert == MoDConfig().d_ff // 2
 
 
-@pytest.mark.parametrize("mode", ["joint", "mlp"])
+@pytest.mark.parametrize("mode", ["joint", "mlp", "mlp_kv"])
 @pytest.mark.parametrize("routing", ["topk", "causal"])
 def test_tokens_that_ran_a_real_expert_map_back_to_the_sequence(routing, mode):
     """A routed block's expert layer sees only its router's tokens: mapped back to (B, T), a

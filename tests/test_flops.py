@@ -54,8 +54,12 @@ CASES = [
     dict(layer_pattern="DR", capacity=0.25, routing="mlp"),
     dict(layer_pattern="RRD", capacity=0.5, routing="mlp", causal_router="predictor"),
     dict(layer_pattern="DR", capacity=0.01, routing="mlp"),  # k = 0: attention alone
+    # routing="mlp_kv": every token queries, the takers alone are keys and run the MLP
+    dict(layer_pattern="DR", capacity=0.25, routing="mlp_kv"),
+    dict(layer_pattern="RRD", capacity=0.5, routing="mlp_kv", causal_router="aux_loss"),
+    dict(layer_pattern="DR", capacity=0.01, routing="mlp_kv"),  # k = 0: no key, no query
 ]
-TRAIN_CASES = [*CASES[1:4], *CASES[6:8]]
+TRAIN_CASES = [*CASES[1:4], *CASES[6:8], *CASES[9:11]]
 
 
 @pytest.mark.parametrize("over", CASES, ids=[str(c) for c in CASES])
@@ -112,6 +116,29 @@ def test_mlp_routing_prices_attention_dense_and_the_mlp_at_capacity():
     assert rep.layers[1].tokens == 256 and rep.layers[0] == joint.layers[0]
 
 
+def test_mlp_kv_prices_every_query_over_the_takers_keys():
+    """routing="mlp_kv": every token projects a query and the output, the k = 12.5% takers a key
+    and a value and run the MLP; attention multiplies T queries by k keys (between joint
+    routing's k x k and MLP-only routing's T x T); the cache holds the takers (KV bytes as joint
+    routing's); one router and predictor weigh every token."""
+    cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "capacity": 0.125, "max_seq_len": 256})
+    rep = estimate_flops(dataclasses.replace(cfg, routing="mlp_kv"), 256)
+    joint = estimate_flops(cfg, 256)
+    mlp = estimate_flops(dataclasses.replace(cfg, routing="mlp"), 256)
+    T, k = 256, 32
+    routed = rep.layers[1]
+    assert rep.kv_bytes_per_token == joint.kv_bytes_per_token
+    assert routed.attention == T * k * Attention.flops_per_key(cfg)
+    assert joint.layers[1].attention < routed.attention < mlp.layers[1].attention
+    q_o = Attention.params(cfg) - Attention.kv_params(cfg)
+    want = 2 * (T * q_o + k * Attention.kv_params(cfg) + k * MLP.params(cfg))
+    assert routed.matmul == pytest.approx(want)
+    assert routed.router == joint.layers[1].router and routed.predictor == joint.layers[1].predictor
+    assert routed.tokens == T and rep.layers[0] == joint.layers[0]
+    # causal attention: query i reads the takers at or before it, about (k + 1) / 2 on average
+    assert routed.attention_causal == pytest.approx(routed.attention * (k + 1) / 2 / k)
+
+
 def test_decode_expectation_follows_take_rate():
     cfg = MoDConfig(**{**BASE, "layer_pattern": "DR", "causal_router": "aux_loss"})
     none = estimate_flops(cfg, 64, take_rate=0.0)
@@ -153,9 +180,15 @@ def test_mod_flops_cli(capsys):
         # routing="mlp": every row attends over every cached token; only the MLP is decided
         (dict(layer_pattern="RRD", routing="mlp", causal_router="predictor"), [1, 0, 1]),
         (dict(layer_pattern="DR", routing="mlp", causal_router="aux_loss"), [0, 0]),
+        # routing="mlp_kv": every row queries the takers' keys; a layer holding none computes
+        # no attention at all
+        (dict(layer_pattern="RRD", routing="mlp_kv", causal_router="predictor"), [1, 0, 1]),
+        (dict(layer_pattern="DR", routing="mlp_kv", causal_router="predictor"), [0, 1]),
+        (dict(layer_pattern="DR", routing="mlp_kv", causal_router="aux_loss"), [0, 0]),
     ],
-    ids=["joint", "staggered", "aux_loss", "mlp", "mlp-aux_loss"],
-)
+    ids=["joint", "staggered", "aux_loss", "mlp", "mlp-aux_loss", "mlp_kv", "mlp_kv-skip-take",
+         "mlp_kv-aux_loss"],
+)  # fmt: skip
 def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     """`decode_cost` (the sum of the kinds' cost functions, which the decode benchmark uses) counts
     what FlopCounterMode counts on a real decode step: each router's decision is forced (take or
@@ -177,7 +210,7 @@ def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     assert flops == pytest.approx(fc.get_total_flops(), rel=1e-9)
 
 
-@pytest.mark.parametrize("routing", ["staggered", "mlp"])
+@pytest.mark.parametrize("routing", ["staggered", "mlp", "mlp_kv"])
 def test_decode_cost_matches_the_decode_expectation_of_estimate_flops(routing):
     """At the capacity as take-rate and cached share, the benchmark's per-token decode FLOPs are
     estimate_flops' decode_per_token; the bytes of a dense twin read every weight once."""
@@ -185,7 +218,9 @@ def test_decode_cost_matches_the_decode_expectation_of_estimate_flops(routing):
     rep = estimate_flops(cfg, 64)
     c = cfg.capacity
     shares = layer_shares(cfg, [c] * len(ROUTE_KINDS[routing]) * len(cfg.routed_layers))
-    cached = [a for a, _ in shares]  # the attention's share: 1 where attention is dense
+    # the share the attention's keys come from: 1 where attention is dense, the takers' with
+    # routing="mlp_kv" (every token queries them)
+    cached = [m if routing == "mlp_kv" and a != m else a for a, m in shares]
     flops, _ = decode_cost(cfg, shares, cached, 64)
     assert flops == pytest.approx(rep.decode_per_token)
     dense = cfg.dense_twin()
@@ -204,6 +239,7 @@ EXPERT_CASES = [
     dict(layer_pattern="DR", capacity=0.25, **EXPERTS, n_noop_experts=3),  # staged + no-ops
     dict(layer_pattern="R", capacity=0.5, routing="staggered", **EXPERTS, experts_per_token=2),
     dict(layer_pattern="DR", capacity=0.25, routing="mlp", **EXPERTS, n_noop_experts=2),
+    dict(layer_pattern="DR", capacity=0.25, routing="mlp_kv", **EXPERTS, n_noop_experts=2),
 ]
 
 

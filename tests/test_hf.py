@@ -27,9 +27,12 @@ def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-@pytest.fixture(params=["aux_loss", "predictor"])
+@pytest.fixture(params=["aux_loss", "predictor", "mlp_kv"])
 def hf_model(request) -> MoDForCausalLM:
-    cfg = tiny_config(causal_router=request.param)
+    """A MoD model wrapped, by its causal router; "mlp_kv": routing="mlp_kv", the predictor."""
+    over = {"routing": "mlp_kv"} if request.param == "mlp_kv" else {}
+    cfg = tiny_config(causal_router="aux_loss" if request.param == "aux_loss" else "predictor",
+                      **over)  # fmt: skip
     return MoDForCausalLM.from_mod(make_model(cfg).eval(), pad_token_id=0)
 
 
@@ -146,8 +149,8 @@ def test_what_transformers_cannot_do_with_a_mod_model_is_refused(hf_model):
         MoDHFConfig(prefill_routing="random")
 
 
-@pytest.mark.parametrize("kind", ["byte", "bpe"])
-def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind):
+@pytest.mark.parametrize("kind, routing", [("byte", "joint"), ("bpe", "joint"), ("byte", "mlp_kv")])
+def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind, routing):
     """`mod export --hf` writes a folder transformers loads (model and tokenizer, same ids);
     `mod convert --from-hf` brings it back to the same weights and tokenizer."""
     from mixture_of_depths.cli import main
@@ -160,7 +163,8 @@ def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind):
     else:
         (tmp_path / "t.txt").write_text(text)
         tokenizer = BPETokenizer.train([tmp_path / "t.txt"], vocab_size=300)
-    model = make_model(tiny_config(vocab_size=tokenizer.vocab_size), dtype=torch.float32)
+    cfg = tiny_config(vocab_size=tokenizer.vocab_size, routing=routing)
+    model = make_model(cfg, dtype=torch.float32)
     ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=tokenizer)
     out = tmp_path / "hf"
     assert main(["export", str(ckpt), "--hf", str(out)]) == 0
@@ -180,6 +184,7 @@ def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind):
     assert main(["convert", "--from-hf", str(out), "--out", str(back)]) == 0
     a, b = load_model(ckpt)[0].state_dict(), load_model(back)[0].state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert load_model(back)[1] == cfg
     restored = load_tokenizer(back)
     assert type(restored) is type(tokenizer)
     assert restored.encode(text) == tokenizer.encode(text)

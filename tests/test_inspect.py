@@ -33,8 +33,9 @@ from mixture_of_depths.inspect import (
 )
 
 
-def test_counts_are_the_routes_of_a_forward_pass():
-    model = make_model(tiny_config())
+@pytest.mark.parametrize("routing", ["joint", "mlp_kv"])
+def test_counts_are_the_routes_of_a_forward_pass(routing):
+    model = make_model(tiny_config(routing=routing))
     x = random_tokens(3, 40, seed=2)
     rep = analyse(model, x, bootstrap=50)
     with torch.no_grad():
@@ -230,12 +231,13 @@ def test_text_classes_of_bpe_tokens():
     assert {t: text_class(t) for t in cases} == cases
 
 
-def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys):
+@pytest.mark.parametrize("routing", ["joint", "mlp_kv"])
+def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys, routing):
     from mixture_of_depths.cli import main
     from mixture_of_depths.data import ByteTokenizer
     from mixture_of_depths.runtime.checkpoint import save_checkpoint
 
-    model = make_model(tiny_config(vocab_size=257), dtype=torch.float32)
+    model = make_model(tiny_config(vocab_size=257, routing=routing), dtype=torch.float32)
     ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
     out = tmp_path / "inspect"
     text = "def f(x):\n    return x + 1  # one\n" * 3

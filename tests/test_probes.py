@@ -113,9 +113,10 @@ def _uniform_reach(sees, far: int) -> tuple[float, float]:  # noqa: ANN001
 
 @pytest.mark.parametrize(
     "over",
-    [dict(layer_pattern="D"), dict(), dict(skipped_kv="residual"), dict(routing="mlp")],
-    ids=["dense", "isolated", "residual", "mlp-only"],
-)
+    [dict(layer_pattern="D"), dict(), dict(skipped_kv="residual"), dict(routing="mlp"),
+     dict(routing="mlp_kv")],
+    ids=["dense", "isolated", "residual", "mlp-only", "mlp-kv"],
+)  # fmt: skip
 def test_attention_reach_of_uniform_attention_is_a_count_over_what_each_query_sees(over):
     far, T = 8, 40
     model = make_model(tiny_config(**over))
@@ -125,18 +126,26 @@ def test_attention_reach_of_uniform_attention_is_a_count_over_what_each_query_se
         calibrate_predictors(model, idx, 0.5)  # about half the tokens take each routed block
     reach = attention_reach(model, idx, far=far)
     assert all("attend" not in b.attn.__dict__ for b in model.blocks)  # the model is as it was
-    routes = {r.layer: r.mask for r in model(idx, routing="causal").routes if r.kind == "block"}
+    out = model(idx, routing="causal")
+    routes = {r.layer: r.mask for r in out.routes if r.kind in ("block", "mlp_kv")}
+    keyed = model.config.routing == "mlp_kv"
     assert [r["layer"] for r in reach] == list(range(len(model.blocks)))  # every call, in order
     for r in reach:
         take = routes.get(r["layer"])
         sees = []
         for b in range(idx.shape[0]):
             for i in range(far, T):
-                if take is not None and not take[b, i]:
+                if take is None:
+                    keys = list(range(i + 1))
+                elif keyed:  # every query reads the takers up to it; with none, no update
+                    keys = [j for j in range(i + 1) if take[b, j]]
+                elif not take[b, i]:
                     continue  # a skipper's output is discarded: not averaged
-                isolated = take is not None and model.config.skipped_kv == "none"
-                keys = [j for j in range(i + 1) if not isolated or take[b, j] or j == i]
-                sees.append((i, keys))
+                else:
+                    isolated = model.config.skipped_kv == "none"
+                    keys = [j for j in range(i + 1) if not isolated or take[b, j] or j == i]
+                if keys:
+                    sees.append((i, keys))
         dist, share = _uniform_reach(sees, far)
         assert r["routed"] == (take is not None) and r["queries"] == len(sees)
         assert r["mean_distance"] == pytest.approx(dist, abs=1e-9)
@@ -159,8 +168,8 @@ def _capture(model):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize(
     "config", [tiny_config(), tiny_config(skipped_kv="residual"), mor_config(),
-               mor_config(recursion_kv="share")],
-    ids=["isolated", "residual", "mor", "mor-share"],
+               mor_config(recursion_kv="share"), tiny_config(routing="mlp_kv")],
+    ids=["isolated", "residual", "mor", "mor-share", "mlp-kv"],
 )  # fmt: skip
 def test_attention_weights_are_those_sdpa_computed(config):
     """On random weights, the weights the reach is computed from, times the values, give what

@@ -40,7 +40,7 @@ def test_topk_mask_agrees_with_topk_indices_when_rows_are_full():
         assert torch.equal(got, full)
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp_kv"])
 @pytest.mark.parametrize("take", [0.125, 0.5])
 def test_calibrated_predictors_take_the_asked_share_with_a_margin(routing, take):
     """After calibration each router's take-rate on the calibration batch is the asked share (up

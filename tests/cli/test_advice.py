@@ -16,6 +16,7 @@ from mixture_of_depths.cli.train import long_context_note
         ("small", {"routing": "staggered"}, 2048, True),
         ("small", {}, 1023, False),  # shorter than where it was measured
         ("small-long", {}, 1024, False),  # attention already dense
+        ("small", {"routing": "mlp_kv"}, 1024, False),  # every token queries the takers' keys
         ("small-long-dense", {}, 1024, False),
         ("small-mor", {"max_seq_len": 1024}, 1024, False),  # no routed layers: recursion
     ],

@@ -14,13 +14,15 @@ from mixture_of_depths.serve.paged import PagedKVCache, paged_forward
 
 MAX_LEN = 64
 F64 = torch.float64
-# name -> config overrides: MoD in both causal modes, staggered, MLP-only routing, residual KV,
-# dense, staged MoDE (expert MLPs in MoD blocks), and MoR (both KV strategies, both routers).
+# name -> config overrides: MoD in both causal modes, staggered, MLP-only routing, the takers'
+# keys (routing="mlp_kv"), residual KV, dense, staged MoDE (expert MLPs in MoD blocks), and MoR
+# (both KV strategies, both routers).
 KINDS = {
     "mod": dict(routing="joint", causal_router="aux_loss"),
     "predictor": dict(routing="joint", causal_router="predictor"),
     "staggered": dict(routing="staggered", causal_router="predictor"),
     "mlp": dict(routing="mlp", causal_router="predictor"),
+    "mlp-kv": dict(routing="mlp_kv", causal_router="predictor"),
     "residual": dict(routing="joint", causal_router="predictor", skipped_kv="residual"),
     "dense": dict(layer_pattern="D"),
     "mode": dict(routing="joint", causal_router="predictor", n_experts=2, experts_per_token=1),

@@ -59,8 +59,8 @@ def _all_pages_back(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["mod", "predictor", "staggered", "residual", "dense", "mode", "mor", "mor-share",
-             "mor-token"]
+    "kind", ["mod", "predictor", "staggered", "mlp-kv", "residual", "dense", "mode", "mor",
+             "mor-share", "mor-token"]
 )  # fmt: skip
 def test_greedy_completions_served_together_equal_each_prompt_alone(kind):
     model = serve_model(kind)
@@ -82,7 +82,9 @@ def test_greedy_completions_served_together_equal_each_prompt_alone(kind):
         assert all(0.0 <= r <= 1.0 for r in m["take_rate"].values())
 
 
-@pytest.mark.parametrize("kind", ["predictor", "staggered", "residual", "mor", "mor-share"])
+@pytest.mark.parametrize(
+    "kind", ["predictor", "staggered", "mlp-kv", "residual", "mor", "mor-share"]
+)
 def test_new_rows_take_the_models_prefill_in_one_padded_forward(kind, monkeypatch):
     """Prompts of several lengths arriving together are prefilled by one right-padded forward of
     the model's prefill (padded to the longest); the continuation chunk of a long prompt stays

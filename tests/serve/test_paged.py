@@ -50,7 +50,7 @@ def test_chunks_and_decode_steps_in_one_forward_equal_each_row_alone(kind):
 
 
 @pytest.mark.parametrize(
-    "kind", ["predictor", "staggered", "residual", "dense", "mor", "mor-share"]
+    "kind", ["predictor", "staggered", "mlp-kv", "residual", "dense", "mor", "mor-share"]
 )
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_each_row_holds_ceil_tokens_over_page_size_pages_and_frees_them(kind, page_size):
@@ -106,7 +106,7 @@ def test_worst_case_and_room_count_pages_per_layer():
     assert cache.max_new_tokens(None, free) == 8
 
 
-@pytest.mark.parametrize("kind", ["predictor", "staggered", "residual", "dense"])
+@pytest.mark.parametrize("kind", ["predictor", "staggered", "mlp-kv", "residual", "dense"])
 def test_a_step_of_first_tokens_only_runs_as_the_models_prefill_and_stays_exact(kind):
     """Every entry at position 0 (one-token prompts): the model's prefill path
     (`write_prefill`), then decode steps; each row equals its full causal forward."""
@@ -124,7 +124,7 @@ def test_a_step_of_first_tokens_only_runs_as_the_models_prefill_and_stays_exact(
         torch.testing.assert_close(torch.cat([g[0] for g in got[row]]), full.logits[0], **TOL)
 
 
-@pytest.mark.parametrize("kind", ["predictor", "residual"])
+@pytest.mark.parametrize("kind", ["predictor", "mlp-kv", "residual"])
 def test_one_rows_chunk_alone_equals_its_full_forward(kind):
     """A step holding one row's chunk and nothing else (its keys shared by every entry)."""
     model = serve_model(kind)

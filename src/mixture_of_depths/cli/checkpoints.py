@@ -57,6 +57,13 @@ def add_convert(sub: Any, name: str) -> None:
         help="longest context of the MoD model (default: max_position_embeddings)",
     )
     p.add_argument(
+        "--routing",
+        choices=FIELD_CHOICES["routing"],
+        default="joint",
+        help="what the routed blocks route (default: joint, the whole block; mlp_kv: every "
+        "token queries, the takers are keys and values and take the MLP)",
+    )
+    p.add_argument(
         "--causal-router",
         choices=FIELD_CHOICES["causal_router"],
         default="aux_loss",
@@ -110,12 +117,14 @@ def run_convert(args: argparse.Namespace) -> int:
         args.capacity,
         args.max_seq_len,
         args.seed,
+        routing=args.routing,
         causal_router=args.causal_router,
     )
     routed = sum(kind == "R" for kind in cfg.layer_kinds)
     print(
         f"{out}: MoD checkpoint of {args.from_hf}: {cfg.n_layers} layers ({routed} routed at "
-        f"capacity {cfg.capacity}, new routers, straight-through gate), d_model {cfg.d_model}"
+        f"capacity {cfg.capacity}, {cfg.routing} routing, new routers, straight-through gate), "
+        f"d_model {cfg.d_model}"
     )
     return 0
 
