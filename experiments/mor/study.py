@@ -15,10 +15,10 @@ its unique layers (2 layers, all shared, applied 3 times, expert choice), at the
 
 Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, as every study).
 The report puts loss, unique parameters, FLOPs per token, KV bytes per token (`estimate_flops`
-at each step's capacity) and decode speed beside the paper's claims, each marked supported,
-contradicted, within the seed spread, or not testable here; with no results it says "not run
-yet". Decode speed is measured once every run has trained (`measure`: the kept checkpoints,
-side by side, on an otherwise idle machine), or by calling `measure` at a quiet moment.
+at each step's capacity) and decode speed beside the paper's claims, each judged by the verdict
+module (experiments/mor/report.py); with no results it says "not run yet". Decode speed is
+measured once every run has trained (`measure`: the kept checkpoints, side by side, on an
+otherwise idle machine), or by calling `measure` at a quiet moment.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from mixture_of_depths.config import MoDConfig
 from mixture_of_depths.fileio import atomic_write_text, json_text
 from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.runtime.checkpoint import resolve_checkpoint
-from mixture_of_depths.studies.measure import BUSY_WARN, decode_speeds
-from mixture_of_depths.studies.plots import pyplot
+from mixture_of_depths.studies.measure import decode_speeds
 from mixture_of_depths.studies.runner import (
     Folders,
     Plan,
@@ -266,208 +265,17 @@ def routed_takes(rows: list[dict[str, Any]]) -> list[float]:
     return [sum(r["causal_take_rate"][k] for r in rows) / len(rows) for k in names]
 
 
-def _verdict(c: dict, better: str, worse: str, b: float, T: int) -> str:
-    x, y = c.get((b, T, better)), c.get((b, T, worse))
-    if x is None or y is None:
-        return "not run yet"
-    if x["gap"] is None or y["gap"] is None:
-        return "no second seed for both yet"
-    diff, spread = y["loss"] - x["loss"], max(x["gap"], y["gap"])
-    if abs(diff) <= spread:
-        return f"within the seed spread ({diff:+.4f}, spread {spread:.4f})"
-    word = "supported" if diff > 0 else "contradicted"
-    return f"{word} ({x['loss']:.4f} against {y['loss']:.4f})"
-
-
-def _speed_verdict(c: dict, b: float, T: int) -> str:
-    """MoR's decode speed over dense's, at batch 1 and 8, against both models' spreads."""
-    x, y = c.get((b, T, SPEED[0])), c.get((b, T, SPEED[1]))
-    if x is None or y is None or "decode_tok_s_b8" not in x or "decode_tok_s_b8" not in y:
-        return "not measured yet"
-    ratios, words = [], []
-    for batch in (1, 8):
-        ratio = x[f"decode_tok_s_b{batch}"] / y[f"decode_tok_s_b{batch}"]
-        noise = x[f"decode_spread_b{batch}"] + y[f"decode_spread_b{batch}"]
-        ratios.append(f"{ratio:.2f}x at batch {batch}")
-        words.append("within" if abs(ratio - 1) <= noise else "faster" if ratio > 1 else "slower")
-    word = {"faster": "supported", "slower": "contradicted"}.get(words[1], "within the spread")
-    busy = max(x.get("others_busy", 0.0), y.get("others_busy", 0.0))
-    skew = f"; timed while other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN else ""
-    return f"{word}: {', '.join(ratios)} (CPU, one thread; paper: GPU, large batches{skew})"
-
-
-# The claims with a speed verdict: MoR (expert, recursion KV) against dense
-SPEED = ("MoR expert, recursion KV", "dense")
-# (claim, the side the paper says is better, the other side, the width compared: None for
-# each side's best, "pair" for the width the pair's own side trained at); better None: not
-# testable here, and why
-CLAIMS: tuple[tuple[str, str | None, str, str | None], ...] = (
-    ("MoR (expert choice) reaches a lower loss than the vanilla Transformer at equal training "
-     "FLOPs, with fewer unique parameters", "MoR expert, recursion KV", "dense", None),
-    ("MoR beats the plain recursive model (every token every recursion) at equal FLOPs",
-     "MoR expert, recursion KV", "recursive", None),
-    ("Expert-choice routing beats token-choice routing (here token choice computes every token "
-     "at every step, masked, and is charged so: docs/mor.md)", "MoR expert, recursion KV",
-     "MoR token, recursion KV", None),
-    ("Recursion-wise KV caching beats recursive KV sharing with expert choice",
-     "MoR expert, recursion KV", "MoR expert, shared KV", None),
-    ("Recursive KV sharing helps token choice", "MoR token, shared KV", "MoR token, recursion KV",
-     None),
-    ("With a third of the unique parameters, MoR matches or beats the vanilla model (dense, "
-     "6 layers, at the pair's width)", "MoR, 2 unique layers x 3", "dense", "pair"),
-    ("Middle-cycle sharing beats cycle sharing (same unique layers and capacities, at the pair's "
-     "width)", "MoR expert, recursion KV", "MoR expert, recursion KV, cycle sharing", "pair"),
-    ("MoR decodes faster than the vanilla model (paper: up to 2.06x throughput)", "speed",
-     "dense", None),
-)  # fmt: skip
-
-
-def claim_rows(
-    results: list[dict[str, Any]], decode: dict[str, dict] | None = None
-) -> list[tuple[str, str, str]]:
-    """(claim, where, verdict) per claim and each (budget, length) where either side ran."""
-    rows = []
-    grid_labels = {label for label, _, _ in ARMS}
-    for text, better, worse, size in CLAIMS:
-        if size == "pair":  # the width the pair's own side (not a grid arm) trained at
-            own = worse if better in grid_labels else better
-            size = next((size_of(r) for r in results if r["label"] == own), None)
-            if size is None:
-                rows.append((text, "-", "not run yet"))
-                continue
-        c = cells(results, size, decode)
-        if better is None:
-            rows.append((text, "-", f"not testable here: {worse}"))
-            continue
-        sides = SPEED if better == "speed" else (better, worse)
-        where = sorted({(b, T) for b, T, label in c if label in sides})
-        if size is not None:  # a pair at one width: where both sides ran at it
-            where = [(b, T) for b, T in where if (b, T, better) in c and (b, T, worse) in c]
-        for b, T in where:
-            verdict = _speed_verdict(c, b, T) if better == "speed" else _verdict(c, *sides, b, T)
-            rows.append((text, f"{b:.1e} FLOPs, T={T}", verdict))
-        if not where:
-            rows.append((text, "-", "not run yet"))
-    return rows
-
-
 def decode_rows(out: Path) -> dict[str, dict[str, Any]]:
     """The decode speeds measured so far (``decode.jsonl``), by run name; the later wins."""
     return {m["name"]: m for m in load_results(out / "decode.jsonl")}
 
 
-def _arm_lines(
-    results: list[dict[str, Any]], decode: dict[str, dict], settings: StudySettings
-) -> list[str]:
-    if not results:
-        return ["Not run yet."]
-    lines = [
-        "| budget | T | model | width | seeds | unique params | train FLOPs/token | "
-        "KV bytes/token, at capacity / as routed | val loss causal | "
-        "decode tok/s, batch 1 / 8 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    tried: dict[tuple[float, int, str], set[str]] = {}
-    for r in results:
-        tried.setdefault((r["budget"], r["seq_len"], r["label"]), set()).add(size_of(r))
-    order = [size for size, _ in settings.sizes]
-    edge = False
-    ends = {k: (min(v, key=order.index), max(v, key=order.index)) for k, v in tried.items()}
-    for (b, T, label), x in sorted(cells(results, None, decode).items(), key=lambda kv: kv[0][:2]):
-        speed = (f"{x['decode_tok_s_b1']:,.0f} / {x['decode_tok_s_b8']:,.0f}"
-                 if "decode_tok_s_b8" in x else "")  # fmt: skip
-        width = size_of({"name": x["name"]})
-        # the best of two or more widths is the smallest or largest tried: a better one may
-        # lie beyond it
-        mark = "†" if len(tried[b, T, label]) > 1 and width in ends[b, T, label] else ""
-        edge = edge or bool(mark)
-        lines.append(
-            f"| {b:.1e} | {T} | {label} | {width}{mark} | {x['seeds']} | "
-            f"{x['params'] / 1e6:.2f}M | "
-            f"{x['flops_per_token'] / 1e6:.2f}M | {x['kv_bytes_per_token']:,.0f} / "
-            f"{x['kv_bytes_per_token_routed']:,.0f} | "
-            f"{x['loss']:.4f} | {speed} |"
-        )
-    if edge:
-        lines += ["", "† the best of the widths tried there is the smallest or largest of them "
-                  f"(widths {', '.join(order)}): the arm's best may lie beyond."]  # fmt: skip
-    return lines
-
-
 def write_report(results: list[dict[str, Any]], out: Path, settings: StudySettings) -> None:
-    decode = decode_rows(out)
-    lines = [
-        "# MoR study: Mixture-of-Recursions beside dense and MoD at equal training FLOPs",
-        "",
-        "Generated by `mod study experiments/mor` (docs/mor.md). Losses: validation, nats per "
-        "token, causal routing (what generation gets), mean over seeds, at each arm's best width. "
-        "FLOPs per token: a training step's, charged; KV bytes: per token of context at 2 bytes "
-        "an element, each step at its capacity (token choice: balanced depths), and as routed: "
-        "at the causal take-rates the run measured on its validation text (what generation "
-        "caches; the mean over seeds). Decode: greedy "
-        "tokens/s after a prompt of half the context, the seed-0 model of each arm's best width "
-        "(seed 1's where seed 0's checkpoint was lost), "
-        "the models of a budget and length side by side (CPU, one thread, median of "
-        "interleaved rounds), measured once training is done with nothing else running. "
-        "Plot: `mor.png`.",
-        "",
-        "## The paper's claims",
-        "",
-        "| claim | where | verdict |",
-        "|---|---|---|",
-        *[f"| {a} | {b} | {v} |" for a, b, v in claim_rows(results, decode)],
-        "",
-        "## Every arm",
-        "",
-        *_arm_lines(results, decode, settings),
-    ]
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
-    claims = [{"claim": a, "where": b, "verdict": v} for a, b, v in claim_rows(results, decode)]
-    atomic_write_text(out / "findings.json", json_text({"claims": claims}, indent=1) + "\n")
-    if results:
-        plot(results, out / "mor.png")
+    """The report, findings and figure (experiments/mor/report.py, imported here, late: it
+    reads this module)."""
+    from .report import write_report as write
 
-
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Per length, each grid arm's loss (best width, seed mean, the seed gap as a whisker)
-    against the training budget; and loss against KV bytes per token at each length's largest
-    budget run."""
-    c = cells([r for r in results if r["group"] in ("isoflop", "seed")])
-    lengths = sorted({T for _, T, _ in c})
-    plt = pyplot()
-    fig, axes = plt.subplots(
-        1, len(lengths) + 1, figsize=(5 * (len(lengths) + 1), 4.2), dpi=110, squeeze=False
-    )
-    axes = axes[0]
-    labels = [label for label, _, _ in ARMS]
-    for ax, T in zip(axes, lengths, strict=False):
-        for i, label in enumerate(labels):
-            pts = sorted((b, x) for (b, t, lab), x in c.items() if t == T and lab == label)
-            if pts:
-                ax.errorbar([b for b, _ in pts], [x["loss"] for _, x in pts],
-                            yerr=[x["gap"] or 0.0 for _, x in pts], marker="o", ms=4,
-                            capsize=2, color=f"C{i}", label=label)  # fmt: skip
-        ax.set_xscale("log")
-        ax.set(title=f"{T} tokens of context", xlabel="training FLOPs",
-               ylabel="validation loss, causal (nats)")  # fmt: skip
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    ax = axes[-1]
-    for j, T in enumerate(lengths):
-        top = max(b for b, t, _ in c if t == T)
-        for i, label in enumerate(labels):
-            x = c.get((top, T, label))
-            if x is not None:
-                ax.scatter(x["kv_bytes_per_token"], x["loss"], color=f"C{i}",
-                           marker="os"[j % 2], label=f"T={T}" if i == 0 else None)  # fmt: skip
-    ax.set(title="loss against KV cache (largest budget run)", xlabel="KV bytes per token",
-           ylabel="validation loss, causal (nats)")  # fmt: skip
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    write(results, out, settings)
 
 
 # -- decode speed of the trained models ---------------------------------------------------------

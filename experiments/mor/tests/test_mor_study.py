@@ -1,8 +1,8 @@
 """`mod study experiments/mor --quick` on a cut-down plan: every run trains to its budget
 (charged by `estimate_flops`, MoR priced per recursion step), each arm's best width gets a
 second seed, the pairs apart from the grid train with two seeds, every cell's models are timed
-side by side, and the report judges the paper's claims from the results (and says "not run yet"
-without them)."""
+side by side, and the report judges the paper's claims through the verdict module (and says
+"not run yet" without them); the committed report is what its committed results make."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from experiments.mor import report
 from experiments.mor import study as mor
 from mixture_of_depths import MoDConfig
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.studies import measure, runner
+from mixture_of_depths.studies import measure, runner, verdict
+
+FOLDER = Path(mor.__file__).parent  # the committed results, report and findings
 
 
 def test_the_plan_completes_the_small_budget_and_the_pairs_before_the_large_grid():
@@ -80,18 +83,22 @@ def test_quick_mor_plan_trains_to_budget_and_judges_the_claims(
     timed = mor.decode_rows(out)
     assert set(timed) == {x["name"] for x in mor.cells(results).values()}
     assert all(t["decode_tok_s_b1"] > 0 and t["decode_tok_s_b8"] > 0 for t in timed.values())
-    rows = dict((c, v) for c, _, v in mor.claim_rows(results, timed))
-    first = rows[mor.CLAIMS[0][0]]
-    assert first.split(" ")[0] in ("supported", "contradicted", "within"), first
-    assert rows[mor.CLAIMS[1][0]] == "not run yet"  # no plain recursive arm ran
-    sharing = rows[next(c[0] for c in mor.CLAIMS if c[2].endswith("cycle sharing"))]
-    assert sharing.split(" ")[0] in ("supported", "contradicted", "within"), sharing
-    speed = rows[mor.CLAIMS[-1][0]]
-    assert speed.split(" ")[0].rstrip(":") in ("supported", "contradicted", "within"), speed
-    assert "x at batch 8" in speed
+    rows = {r.claim.key: r for r in report.claim_rows(results, timed)}  # one budget and length
+    first = rows["mor-vs-dense"].verdict
+    assert first is not None and first.word in verdict.WORDS, first
+    # every arm trained at one learning rate at one width: both open ends named
+    assert first.a.unbracketed == first.b.unbracketed == "one learning rate tried (2e-3)"
+    assert first.a.edge == "one width tried (S)"
+    assert rows["mor-vs-recursive"].verdict is None  # no plain recursive arm ran
+    assert rows["mor-vs-recursive"].status == "not run yet"
+    sharing = rows["middle-cycle-vs-cycle"].verdict
+    assert sharing is not None and sharing.word in verdict.WORDS, sharing
+    speed = rows["decode-speed"]
+    assert speed.verdict is not None and speed.verdict.word == verdict.UNTESTABLE
+    assert "x at batch 8" in speed.sides
     loaded = {n: {**t, "others_busy": 0.3} for n, t in timed.items()}  # timed beside a study
-    speed = dict((c, v) for c, _, v in mor.claim_rows(results, loaded))[mor.CLAIMS[-1][0]]
-    assert "timed while other processes used 30% of the CPUs" in speed
+    speed = {r.claim.key: r for r in report.claim_rows(results, loaded)}["decode-speed"]
+    assert "timed while other processes used 30% of the CPUs" in speed.sides
     # KV bytes as routed: the cache at the causal take-rates each run measured, recomputed
     token = next(r for r in grid if r["label"] == "MoR token, shared KV")
     for r in (rec, token):
@@ -162,3 +169,31 @@ def test_the_best_width_is_chosen_on_the_seeds_every_width_trained():
     results.append(row("XS", 1, 3.00))
     (cell,) = mor.cells(results).values()
     assert cell["names"][0] == "5e13-mor-er-XS-T256-s0"
+
+
+def test_the_committed_report_is_what_the_committed_results_make(tmp_path: Path):
+    """`mod study experiments/mor --report` from the committed results and decode speeds, into
+    a folder of its own: the report and findings equal the committed ones, byte for byte."""
+    for name in ("results.jsonl", "decode.jsonl"):
+        shutil.copy(FOLDER / name, tmp_path / name)
+    runner.rewrite_report(mor.PLAN, tmp_path)
+    for name in ("report.md", "findings.json"):
+        assert (tmp_path / name).read_bytes() == (FOLDER / name).read_bytes(), name
+
+
+def test_the_committed_verdicts_judge_by_the_rules():
+    """No claim wins on a rate tried once; the equal-parameter claim is judged against dense's
+    best width as well as the pair's; a GPU throughput claim is not testable on one CPU thread."""
+    results = runner.load_results(FOLDER / "results.jsonl")
+    rows = {r.key: r for r in report.claim_rows(results, mor.decode_rows(FOLDER))}
+    judged = [r.verdict for r in rows.values() if r.verdict is not None]
+    assert len(judged) == len(rows) == 28
+    assert not any(v.word in (verdict.BETTER, verdict.WORSE) for v in judged)
+    best = rows["params-vs-dense-best-5e13-t256"].verdict
+    assert best.b.label == "dense (XS)" and best.b.edge is None and best.diff > best.spread
+    same = rows["params-vs-dense-same-width-5e13-t256"].verdict
+    assert same.b.label == "dense (M)" and "not its best width here (XS)" in same.b.edge
+    speeds = [r.verdict for k, r in rows.items() if k.startswith("decode-speed")]
+    assert len(speeds) == 4 and all(v.word == verdict.UNTESTABLE for v in speeds)
+    wide = rows["mor-vs-dense-1.5e13-t256"].verdict  # beyond the spread, at the grid's edge
+    assert wide.word == verdict.UNBRACKETED and "smallest tried" in " ".join(wide.caveats)
