@@ -31,6 +31,7 @@ MODES = {
     "stag-aux": dict(routing="staggered", causal_router="aux_loss"),
     "stag-pred": dict(routing="staggered", causal_router="predictor"),
     "mlp-pred": dict(routing="mlp", causal_router="predictor"),
+    "mlp-kv-pred": dict(routing="mlp_kv", causal_router="predictor"),
     "residual": dict(routing="joint", causal_router="predictor", skipped_kv="residual"),
     "stag-residual": dict(routing="staggered", causal_router="aux_loss", skipped_kv="residual"),
 }

@@ -17,7 +17,8 @@ from mixture_of_depths.generate import generate_reference
 from mixture_of_depths.static_cache import StaticDecoder, StaticKVCache, static_generate
 
 F64 = torch.float64
-GEN_MODES = ["joint-aux", "joint-pred", "stag-aux", "stag-pred", "mlp-pred", "residual"]
+GEN_MODES = ["joint-aux", "joint-pred", "stag-aux", "stag-pred", "mlp-pred", "mlp-kv-pred",
+             "residual"]  # fmt: skip
 
 
 def _model(mode: str, device: str, seed: int = 0):  # noqa: ANN202
@@ -66,9 +67,10 @@ def test_a_static_layer_that_overflows_is_an_error_not_a_wrong_token(device):
         static_generate(model, [list(range(50))], 2, headroom=0.1)
 
 
-def test_static_decode_step_reads_nothing_on_the_host(device):
+@pytest.mark.parametrize("mode", ["stag-pred", "mlp-kv-pred"])
+def test_static_decode_step_reads_nothing_on_the_host(device, mode):
     """No sync in a static decode step (the eager one reads each routed decision)."""
-    model = _model("stag-pred", device)
+    model = _model(mode, device)
     cache = StaticKVCache(model.config, 2, 40, device, F64, headroom=4.0)
     step = StaticDecoder(model, cache)
     toks = torch.tensor([3, 4], device=device)
@@ -86,7 +88,7 @@ def test_static_decode_step_reads_nothing_on_the_host(device):
 
 
 @pytest.mark.slow  # torch.compile takes ~50 s on 2 busy cores
-@pytest.mark.parametrize("mode", ["joint-pred", "stag-aux"])
+@pytest.mark.parametrize("mode", ["joint-pred", "stag-aux", "mlp-kv-pred"])
 def test_the_compiled_static_step_has_no_graph_break_and_equals_eager(device, mode):
     """fullgraph=True fails on any graph break; on CUDA the step is captured (reduce-overhead)."""
     if device == "cpu:0":  # MOD_TEST_CUDA_ON_CPU
@@ -111,7 +113,8 @@ CPU_ONLY_CHECKS = {  # the id checks' CPU branch; on a device they are torch._as
 
 
 @pytest.mark.parametrize("kw", [{}, dict(routing="staggered", causal_router="aux_loss"),
-                                dict(skipped_kv="residual"), dict(layer_pattern="D")])  # fmt: skip
+                                dict(skipped_kv="residual"), dict(layer_pattern="D"),
+                                dict(routing="mlp_kv")])  # fmt: skip
 def test_a_training_step_reads_nothing_on_the_host(kw):
     """Forward (top-k), backward, clipping and AdamW: no sync on a device, after the first
     AdamW step (which reads its step counters once)."""
@@ -129,7 +132,7 @@ def test_a_training_step_reads_nothing_on_the_host(kw):
     assert c.uploads == 0
 
 
-@pytest.mark.parametrize("routing", ["joint", "staggered"])
+@pytest.mark.parametrize("routing", ["joint", "staggered", "mlp_kv"])
 def test_an_eager_decode_step_reads_each_routed_decision_and_the_sampled_tokens(routing):
     """Per decode step of `generate`: one read per router (which rows take the block), one for
     the sampled tokens (the loop keeps them on the host), and the id check's CPU branch."""

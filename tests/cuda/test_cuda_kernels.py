@@ -101,6 +101,7 @@ def _train_step(model, fused: bool, device: str):  # noqa: ANN001, ANN202
     "mode",
     [
         "mlp-pred",
+        "mlp-kv-pred",  # the MLP on the kernels, the attention over the takers' keys in PyTorch
         pytest.param("joint-pred", marks=pytest.mark.slow),  # ~8 s under the interpreter
         pytest.param("stag-aux", marks=pytest.mark.slow),
     ],

@@ -23,7 +23,7 @@ from reference import reference_forward, topk_set
 
 from mixture_of_depths.routing import topk_indices
 
-ORACLE_MODES = ["joint-aux", "joint-pred", "stag-pred", "mlp-pred", "residual"]
+ORACLE_MODES = ["joint-aux", "joint-pred", "stag-pred", "mlp-pred", "mlp-kv-pred", "residual"]
 
 
 def _some_rows(model, ref, routing, dtype):  # noqa: ANN001, ANN202
@@ -80,7 +80,7 @@ def test_skipped_tokens_leave_each_routed_block_bit_for_bit(device, dtype, routi
     for r in out.routes:  # a token untouched by the layer is one no router of it chose
         chosen = by_layer.get(r.layer, torch.zeros_like(r.mask))
         by_layer[r.layer] = chosen | r.mask
-    if MODES[mode]["routing"] == "mlp":  # attention dense: every token changes
+    if MODES[mode]["routing"] in ("mlp", "mlp_kv"):  # every token queries: every token changes
         return
     for layer, chosen in by_layer.items():
         x_in, x_out = seen[layer]
@@ -90,7 +90,7 @@ def test_skipped_tokens_leave_each_routed_block_bit_for_bit(device, dtype, routi
         assert not torch.equal(x_in[chosen], x_out[chosen]), layer
 
 
-@pytest.mark.parametrize("mode", ["joint-pred", "stag-aux", "mlp-pred", "residual"])
+@pytest.mark.parametrize("mode", ["joint-pred", "stag-aux", "mlp-pred", "mlp-kv-pred", "residual"])
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 def test_causal_routing_never_reads_a_later_token(device, dtype, mode):
     """Changing the tokens after t changes no logit and no decision at or before t."""
