@@ -1,5 +1,8 @@
-"""Round 4's report: every arm (round 3's anchors and this round's runs) with its seeds, and
-the runs as they finish. The verdicts come from the harness's verdict module."""
+"""Round 4's report, every verdict through the harness's verdict module: dense bracketed in rate
+and size, each MoD family at its best against it with its costs, whether MoD pays here by the
+rule written before the first run (README.md), the look-back probe and decode timings per arm
+(``probes.jsonl``, ``decode.jsonl``: measured on the kept checkpoints once training is done),
+the loss by place, and every arm and run."""
 
 from __future__ import annotations
 
@@ -7,38 +10,238 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mixture_of_depths.fileio import atomic_write_text
+from mixture_of_depths.config import MoDConfig
+from mixture_of_depths.fileio import atomic_write_text, json_text
+from mixture_of_depths.flops import estimate_flops
+from mixture_of_depths.studies.runner import load_results
+from mixture_of_depths.studies.verdict import BETTER, WITHIN, Arm, Verdict, best_of, compare
 
-from .plan import Arm, Settings, anchors, arm_key, rate_tag, seeds_of
+from . import plan as p
+from .plots import plot
+
+MOD_FAMILIES = ("joint", "mlp", "mlp-all", "mlp-kv")
+RATE_ENDS = ("lowest", "highest")
 
 
-def arms_of(rows: list[dict[str, Any]]) -> list[Arm]:
+def arms_of(rows: list[dict[str, Any]]) -> list[p.Arm]:
     """The arms of `rows`, by family, size and rate."""
-    arms = {a for r in rows if (a := arm_key(r)) is not None}
-    return sorted(arms, key=lambda a: (a.family, a.size, a.lr, a.lr_warmup or 0.0))
+    arms = {a for r in rows if (a := p.arm_key(r)) is not None}
+    return sorted(arms, key=lambda a: (a.family, p.ORDER.index(a.size), a.lr, a.lr_warmup or 0))
+
+
+def rate_name(arm: p.Arm) -> str:
+    warm = "" if arm.lr_warmup is None else f" (warm-up {arm.lr_warmup:.0%})"
+    return p.rate_tag(arm.lr) + warm
+
+
+def rate_grid(rows: list[dict[str, Any]], family: str, size: str) -> list[p.Arm]:
+    """`family`'s rates tried at `size`, lowest first (a longer warm-up after the plain one)."""
+    return [a for a in arms_of(rows) if a.family == family and a.size == size]
+
+
+def size_grid(rows: list[dict[str, Any]], like: p.Arm) -> list[p.Arm]:
+    """The sizes tried at `like`'s family, rate and warm-up, smallest first."""
+    return [a for a in arms_of(rows) if (a.family, a.lr, a.lr_warmup) ==
+            (like.family, like.lr, like.lr_warmup)]  # fmt: skip
+
+
+def optimum(rows: list[dict[str, Any]], family: str, size: str) -> tuple[p.Arm, Arm] | None:
+    """`family` at its best rate (at `size`), then its best size at that rate: the arm, and
+    it as the verdict module's `Arm` with its open ends named."""
+    rates = rate_grid(rows, family, size)
+    if not rates:
+        return None
+    grid = [(rate_name(a), p.seeds_of(rows, a)) for a in rates]
+    best_rate, open_rate = best_of(grid, "rate", RATE_ENDS)
+    at_rate = next(a for a in rates if rate_name(a) == best_rate)
+    sizes = size_grid(rows, at_rate)
+    best_size, edge = best_of([(a.size, p.seeds_of(rows, a)) for a in sizes])
+    best = next(a for a in sizes if a.size == best_size)
+    where = f"{p.FAMILIES[family][1]}, {best.size}, lr {rate_name(best)}"
+    return best, Arm(where, p.seeds_of(rows, best), edge=edge, unbracketed=open_rate)
+
+
+def cost(rows: list[dict[str, Any]], arm: p.Arm, s: p.Settings) -> dict[str, float]:
+    """Forward FLOPs per token in training's top-k routing (a training step spends three
+    times that) and KV bytes per token of context (bf16) of `arm`'s model (as its rows built
+    it, vocabulary and all), by `estimate_flops` at the round's context and batch."""
+    row = next(r for r in rows if p.arm_key(r) == arm)
+    cfg = MoDConfig(**row["model"])
+    rep = estimate_flops(cfg, s.grid.seq_len, s.grid.batch_size, with_dense=False)
+    return {
+        "forward_flops_per_token": rep.forward_per_token,
+        "kv_bytes_per_token": rep.kv_bytes_per_token,
+    }
+
+
+def measured(out: Path, name: str) -> dict[str, dict[str, Any]]:
+    """Rows of ``<out>/<name>`` (probes.jsonl, decode.jsonl) by run name."""
+    return {r["name"]: r for r in load_results(out / name)}
+
+
+def pays(verdicts: dict[str, Verdict], costs: dict[str, dict[str, float]],
+         decode: dict[str, dict[str, Any]]) -> list[str]:  # fmt: skip
+    """The rule's reading (README.md): a family pays where its verdict is better; it is level at
+    lower cost where it is within the spread and cheaper in training FLOPs, KV bytes and
+    measured decode speed than dense."""
+    out = []
+    dense = costs["dense"]
+    for family, v in verdicts.items():
+        c = costs[family]
+        cheaper = c["forward_flops_per_token"] < dense["forward_flops_per_token"] and (
+            c["kv_bytes_per_token"] < dense["kv_bytes_per_token"]
+        )
+        speed = decode.get(family, {}).get("speedup_b1")
+        if v.word == BETTER:
+            out.append(f"{v.a.label}: pays ({v.word}).")
+        elif v.word == WITHIN and cheaper and speed is not None and speed > 1:
+            out.append(f"{v.a.label}: {v.word}, at lower training FLOPs, KV bytes and decode "
+                       f"time ({speed:.2f}x dense at batch 1): level at lower cost.")  # fmt: skip
+        elif v.word == WITHIN and cheaper:
+            out.append(f"{v.a.label}: {v.word} and cheaper by the FLOP count; its decode "
+                       "speed is not measured yet, so the rule does not call it level at lower "
+                       "cost.")  # fmt: skip
+        else:
+            out.append(f"{v.a.label}: does not pay here ({v.word}).")
+    return out
+
+
+def deciding(rows: list[dict[str, Any]], s: p.Settings, out: Path) -> tuple[list[str], dict]:
+    """The deciding section: dense's optimum, each family at its best against it, the rule."""
+    found = optimum(rows, "dense", "XS")
+    if found is None:
+        return ["No dense row yet."], {}
+    dense_arm, dense = found
+    costs = {"dense": cost(rows, dense_arm, s)}
+    decode = measured(out, "decode.jsonl")
+    lines = [
+        f"Dense's optimum: {dense.label} ({len(dense.seeds)} seeds, mean {dense.mean:.4f}); "
+        f"rate: {dense.unbracketed or 'interior'}; size: {dense.edge or 'interior'}.",
+        "",
+        "| family at its best | seeds | causal loss (each seed) | mean | against dense | "
+        "forward FLOPs / token | KV bytes / token | decode b1 / b8 (x dense) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts: dict[str, Verdict] = {}
+    best_arms: dict[str, str] = {"dense": f"r4-{dense_arm.tag}-s0"}
+    for family in MOD_FAMILIES:
+        found = optimum(rows, family, "S")
+        if found is None:
+            continue
+        arm, a = found
+        v = compare(a, dense)
+        verdicts[family] = v
+        costs[family] = cost(rows, arm, s)
+        best_arms[family] = f"r4-{arm.tag}-s0"
+        speeds = decode.get(family, {})
+        dec = f"{speeds['speedup_b1']:.2f} / {speeds['speedup_b8']:.2f}" if speeds else ""
+        lines.append(
+            f"| {a.label} | {len(a.seeds)} | {', '.join(f'{x:.4f}' for x in a.seeds.values())} "
+            f"| {a.mean:.4f} | {v.word}: {v.numbers()} | "
+            f"{costs[family]['forward_flops_per_token'] / 1e6:.2f}M | "
+            f"{costs[family]['kv_bytes_per_token']:.0f} | {dec} |"
+        )
+    lines.append(
+        f"| {dense.label} | {len(dense.seeds)} | "
+        f"{', '.join(f'{x:.4f}' for x in dense.seeds.values())} | {dense.mean:.4f} | | "
+        f"{costs['dense']['forward_flops_per_token'] / 1e6:.2f}M | "
+        f"{costs['dense']['kv_bytes_per_token']:.0f} | 1.00 / 1.00 |"
+    )
+    lines += ["", *(f"- {v.text()}" for v in verdicts.values())]
+    lines += [
+        "",
+        "By the rule (README.md):",
+        "",
+        *(f"- {t}" for t in pays(verdicts, costs, decode)),
+    ]
+    found = {"dense": {"label": dense.label, "mean": dense.mean, "edge": dense.edge,
+                       "unbracketed": dense.unbracketed},
+             "costs": costs, "best_runs": best_arms}  # fmt: skip
+    return lines, {"verdicts": {f"{f}-vs-dense": v for f, v in verdicts.items()}, **found}
+
+
+def grid_lines(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Verdict]]:
+    """Dense's rates at XS and sizes at its best rate, each point against the optimum."""
+    found = optimum(rows, "dense", "XS")
+    if found is None:
+        return [], {}
+    best, opt = found
+    lines, verdicts = [], {}
+    for arm in rate_grid(rows, "dense", "XS") + size_grid(rows, best):
+        if arm == best:
+            continue
+        key = f"dense-{arm.size}-lr{p.rate_tag(arm.lr)}"
+        v = compare(Arm(f"dense {arm.size}, lr {rate_name(arm)}", p.seeds_of(rows, arm)), opt)
+        verdicts[key] = v
+        lines.append(f"- {v.text()}")
+    return lines, verdicts
 
 
 def arm_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| arm | seeds | causal loss (each seed) | mean | range |", "|---|---|---|---|---|"]
     for arm in arms_of(rows):
-        by_seed = seeds_of(rows, arm)
+        by_seed = p.seeds_of(rows, arm)
         vals = [by_seed[k] for k in sorted(by_seed)]
-        rng = max(vals) - min(vals) if len(vals) > 1 else None
-        lines.append(
-            f"| {arm.label} | {len(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | "
-            f"{statistics.fmean(vals):.4f} | {'' if rng is None else f'{rng:.3f}'} |"
-        )
+        rng = f"{max(vals) - min(vals):.3f}" if len(vals) > 1 else ""
+        lines.append(f"| {arm.label} | {len(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | "
+                     f"{statistics.fmean(vals):.4f} | {rng} |")  # fmt: skip
     return lines
 
 
-def write_report(results: list[dict[str, Any]], out: Path, s: Settings) -> None:
-    rows = anchors(s) + results
+def probe_table(out: Path) -> list[str]:
+    """The look-back probe of every kept checkpoint (``probes.jsonl``), by arm."""
+    probes = measured(out, "probes.jsonl")
+    if not probes:
+        return ["Not measured yet: `python -m experiments.round4.measure` once training is done."]
+    dists = sorted({int(d) for r in probes.values() for d in r["repeat"]})
+    head = (
+        " | ".join(f"repeat {d}" for d in dists) + " | " + " | ".join(f"recall {d}" for d in dists)
+    )
+    lines = [f"| run | {head} |", "|---|" + "---|" * (2 * len(dists))]
+    for name in sorted(probes):
+        r = probes[name]
+        cells = [f"{r['repeat'][str(d)]['score']:+.3f}" for d in dists]
+        cells += [f"{r['recall'][str(d)]['score']:+.3f}" for d in dists]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines
+
+
+def run_table(results: list[dict[str, Any]]) -> list[str]:
+    lines = ["| run | causal loss | steps | tokens | minutes |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['val_loss_causal']:.4f} | {r['steps']} | "
+                     f"{r['tokens'] / 1e6:.1f}M | {r['wall_s'] / 60:.0f} |")  # fmt: skip
+    return lines
+
+
+def write_report(results: list[dict[str, Any]], out: Path, s: p.Settings) -> None:
+    rows = p.anchors(s) + results
+    decide, found = deciding(rows, s, out)
+    grid, grid_verdicts = grid_lines(rows)
+    verdicts = {**found.pop("verdicts", {}), **grid_verdicts}
     lines = [
         "# Study round 4: the largest budget against a bracketed dense baseline",
         "",
-        f"{s.grid.seq_len} tokens of context, {s.budget:.1e} training FLOPs, BPE; round 3's "
-        "rows at this budget are read beside this round's (README.md states the rule that "
-        "reads them).",
+        f"{s.grid.seq_len} tokens of context, {s.budget:.1e} training FLOPs, BPE. Round 3's rows "
+        "at this budget (`anchors.jsonl`) are read beside this round's; every verdict is the "
+        "verdict module's (docs/study.md), by the rule README.md states. Generated by "
+        "`mod study experiments/round4` (`--report` to rewrite it from the results).",
+        "",
+        "## The deciding table",
+        "",
+        *decide,
+        "",
+        "## Dense, bracketed",
+        "",
+        *(grid or ["No dense grid yet."]),
+        "",
+        "## Look-back, measured directly (seed 0 of each arm)",
+        "",
+        "Scores in nats (README.md, lookback.py): `repeat d`, a span of the text seen again d "
+        "places later (loss on the first occurrence less the second); `recall d`, a key-value "
+        "pair recalled d places later (loss against a control that never saw the value).",
+        "",
+        *probe_table(out),
         "",
         "## Every arm",
         "",
@@ -46,14 +249,11 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Settings) -> None:
         "",
         "## This round's runs",
         "",
-        "| run | causal loss | steps | tokens | minutes |",
-        "|---|---|---|---|---|",
+        *run_table(results),
     ]
-    for r in results:
-        lines.append(f"| {r['name']} | {r['val_loss_causal']:.4f} | {r['steps']} | "
-                     f"{r['tokens'] / 1e6:.1f}M | {r['wall_s'] / 60:.0f} |")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
-
-
-__all__ = ["write_report", "rate_tag"]
+    findings = {**found, "verdicts": {k: v.as_dict() for k, v in verdicts.items()}}
+    atomic_write_text(out / "findings.json", json_text(findings) + "\n")
+    if rows:
+        plot(rows, out / "round4.png")
