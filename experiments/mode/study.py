@@ -5,9 +5,11 @@ SwiGLU experts of the dense MLP's size, token-choice top-1: the same active para
 MoE with capacity factor 0.5 (the overflow dropped in training); staged MoDE (MoD's routing with
 MoE's experts); integrated MoDE (4 real + 4 no-op experts); and integrated MoDE with the same
 capacity factor 0.5 as the dropping baseline. What each claim compares (its baseline and its best
-MoDE variant) trains again with a second seed, and a claim holds only where its difference
-clears the seed spread of those two runs. The paper's two claims (arXiv:2404.02258, section 3.6):
-MoDE improves on MoE, and integrated MoDE beats lowering the capacity and dropping.
+MoDE variant) trains again with a second seed, and each claim is judged by the verdict module
+(`verdict.compare`: the difference against the seed spread of those two runs, the one size and
+learning rate every model trained at named for both sides). The paper's two claims
+(arXiv:2404.02258, section 3.6): MoDE improves on MoE, and integrated MoDE beats lowering the
+capacity and dropping.
 
 FLOPs: each run trains for floor(budget / training FLOPs per step), counted by `estimate_flops`
 with its default expert share, the bound: every slot runs a real expert, or at most the
@@ -36,6 +38,7 @@ from mixture_of_depths.studies.runner import (
     second_seed,
     seed_gaps,
 )
+from mixture_of_depths.studies.verdict import Arm, best_of, compare
 
 EXPERTS = dict(n_experts=4, experts_per_token=1)
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)
@@ -102,7 +105,7 @@ def seed_specs(results: list[dict[str, Any]], budget: float) -> list[RunSpec]:
     first seed's loss), so each verdict weighs its own difference against those runs' spread."""
     first = {r["label"]: r for r in results if r["budget"] == budget and r["seed"] == 0}
     labels: list[str] = []
-    for _, contenders, base in CLAIMS:
+    for _, _, contenders, base in CLAIMS:
         have = [c for c in contenders if c in first]
         if base in first and have:
             best = min(have, key=lambda c: judged_loss(first[c]))
@@ -117,9 +120,11 @@ def judged_loss(r: dict[str, Any]) -> float:
 
 
 # -- findings --------------------------------------------------------------------------------------
+# (key of its verdicts, claim, its MoDE variants, its baseline)
 CLAIMS = (
-    ("MoDE improves on MoE", ("staged MoDE", "integrated MoDE"), "MoE"),
+    ("mode-vs-moe", "MoDE improves on MoE", ("staged MoDE", "integrated MoDE"), "MoE"),
     (
+        "integrated-vs-dropping",
         "integrated MoDE beats MoE that drops at capacity 0.5",
         ("integrated MoDE, capacity 0.5", "integrated MoDE"),
         "MoE, capacity 0.5 (drops)",
@@ -127,40 +132,64 @@ CLAIMS = (
     # Ours, not the paper's: a MoDE variant runs MoD's routing, so it takes MoD's extra steps;
     # whether the experts add anything beyond them is this comparison (plain MoD's second seed).
     (
+        "mode-vs-mod",
         "MoDE improves on plain MoD (its gain is more than MoD's extra steps)",
         ("staged MoDE", "integrated MoDE"),
         "MoD",
     ),
 )
+# TrainConfig's peak learning rate when these runs trained (their rows name none: the default),
+# pinned so that a later default does not rewrite the report
+DEFAULT_LR = 2e-3
+
+
+def rate_text(lr: float) -> str:
+    """A learning rate as the report writes it: 0.002 -> "2e-3"."""
+    return f"{lr:.0e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def arm(rows: list[dict[str, Any]], label: str) -> Arm:
+    """`label`'s runs at one budget as an `Arm`: its loss per seed, the edge of the sizes it
+    trained at (`best_of`: one here, the isoFLOP study's best dense size) and of its learning
+    rates at that size (one, TrainConfig's, for every model: not bracketed)."""
+    mine = [r for r in rows if r["label"] == label]
+    sizes: dict[str, dict[int, float]] = {}
+    for r in sorted(mine, key=lambda r: r["model"]["d_model"]):
+        size = r["name"].rsplit("-", 2)[-2]  # <budget>-<tag>-<size>-s<seed>
+        sizes.setdefault(size, {})[r["seed"]] = judged_loss(r)
+    size, edge = best_of(list(sizes.items()))
+    rates: dict[float, dict[int, float]] = {}
+    for r in mine:
+        if r["name"].rsplit("-", 2)[-2] == size:
+            rates.setdefault(r.get("lr") or DEFAULT_LR, {})[r["seed"]] = judged_loss(r)
+    grid = [(rate_text(lr), seeds) for lr, seeds in sorted(rates.items())]
+    rate, open_end = best_of(grid, "learning rate", ("lowest", "highest"))
+    return Arm(f"{label} ({size})", dict(grid)[rate], edge, open_end)
 
 
 def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per budget: each architecture's loss (mean over seeds), the seed spread, and each claim's
-    verdict: the better of its MoDE variants against its baseline, a difference beyond the spread
-    or not."""
-    out: dict[str, Any] = {"budgets": []}
+    """Per budget: each architecture's loss (mean over seeds), its seeds, the largest seed
+    spread, and each claim: the better of its MoDE variants (by mean loss) against its
+    baseline, judged by `verdict.compare` (its verdict under "verdicts", by key)."""
+    sizes = sorted({r["name"].rsplit("-", 2)[-2] for r in results})
+    rates = [rate_text(lr) for lr in sorted({r.get("lr") or DEFAULT_LR for r in results})]
+    out: dict[str, Any] = {"sizes": sizes, "learning_rates": rates, "budgets": [], "verdicts": {}}
     for budget in sorted({r["budget"] for r in results}):
         rows = [r for r in results if r["budget"] == budget]
         loss = mean_seeds([{**r, "judged": judged_loss(r)} for r in rows], "judged")
+        seeds = {lab: sorted(r["seed"] for r in rows if r["label"] == lab) for lab in loss}
         gaps = seed_gaps(rows)
         spread = max(gaps.values()) if gaps else None
         claims = []
-        for text, contenders, base in CLAIMS:
+        for key, text, contenders, base in CLAIMS:
             have = [c for c in contenders if c in loss]
             if base not in loss or not have:
                 continue
             best = min(have, key=loss.get)
-            diff = loss[base] - loss[best]  # > 0: the MoDE variant is better
-            # The noise this difference is weighed against: the seed gaps of the two runs it
-            # compares (the best of two variants is picked, so a win must clear both).
-            own = [gaps[lab] for lab in (base, best) if lab in gaps]
-            spread_c = max(own) if len(own) == 2 else None
-            if spread_c is None:
-                verdict = "no second seed for both yet"
-            elif abs(diff) <= spread_c:
-                verdict = "within the seed spread: not shown at this scale"
-            else:
-                verdict = "holds" if diff > 0 else "does not hold (the baseline is better)"
+            diff = loss[base] - loss[best]  # > 0: the MoDE variant is lower
+            verdict = compare(arm(rows, best), arm(rows, base))
+            key = f"{key}-{budget_tag(budget)}"
+            out["verdicts"][key] = verdict.as_dict()
             claims.append(
                 {
                     "claim": text,
@@ -169,31 +198,51 @@ def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
                     "baseline": base,
                     "baseline_loss": loss[base],
                     "gain": diff / loss[base],
-                    "seed_spread": spread_c,
-                    "verdict": verdict,
+                    "seed_spread": verdict.spread,
+                    "verdict": key,
                 }
             )
         out["budgets"].append(
-            {"budget": budget, "loss": loss, "seed_spread": spread, "claims": claims}
-        )
+            {"budget": budget, "loss": loss, "seeds": seeds, "seed_spread": spread,
+             "claims": claims}
+        )  # fmt: skip
     return out
 
 
 def format_findings(f: dict[str, Any]) -> list[str]:
     lines = ["## The paper's claims at this scale (and whether MoDE adds to plain MoD)", ""]
+    sizes, rates = ", ".join(f["sizes"]), ", ".join(f["learning_rates"])
+    if len(f["sizes"]) == len(f["learning_rates"]) == 1:
+        tried = (f"Every model trained at one size ({sizes}: the isoFLOP study's best dense size "
+                 f"at these budgets) and one peak learning rate ({rates}): neither is bracketed "
+                 "for any model, so each verdict names both for both sides")  # fmt: skip
+    else:
+        tried = f"Sizes tried: {sizes}; peak learning rates: {rates}"
+    lines += [
+        f"{tried}. Each verdict is the verdict module's (`mixture_of_depths.studies.verdict`): "
+        "the MoDE variant minus its baseline, on every seed both trained, against the seed "
+        "spread of the two.",
+        "",
+    ]
     for b in f["budgets"]:
         sp = "no second seed yet" if b["seed_spread"] is None else f"{b['seed_spread']:.4f}"
         lines.append(f"Budget {b['budget']:.1e} FLOPs (largest seed spread {sp}):")
         lines.append("")
         for c in b["claims"]:
-            sp_c = "-" if c["seed_spread"] is None else f"{c['seed_spread']:.4f}"
+            n_best, n_base = (len(b["seeds"][c[side]]) for side in ("best", "baseline"))
             lines.append(
-                f"- {c['claim']}: {c['verdict']}. Best MoDE variant {c['best']} "
-                f"{c['best_loss']:.4f} against {c['baseline']} {c['baseline_loss']:.4f} "
-                f"({100 * c['gain']:+.2f}%; their seed spread {sp_c})."
+                f"- {c['claim']}. The MoDE variant with the lower loss, {c['best']} "
+                f"{c['best_loss']:.4f} "
+                f"({_seeds(n_best)}) against {c['baseline']} {c['baseline_loss']:.4f} "
+                f"({_seeds(n_base)}) ({100 * c['gain']:+.2f}%): "
+                f"{f['verdicts'][c['verdict']]['text']}."
             )
         lines.append("")
     return lines
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed" + ("" if n == 1 else "s")
 
 
 # -- report ----------------------------------------------------------------------------------------
