@@ -8,6 +8,9 @@ scatter-add into the last one's epilogue.
 - the end: ``scatter_linear(x, rows, g, ..., wo or w2)`` writes ``x + g * f`` for the chosen
   rows; a whole block passes the attention's output as the epilogue's extra term, since
   ``f = a + mlp(mlp_norm(x~ + a))``.
+
+With ``routing="mlp_kv"`` the takers' MLP runs here as "mlp"; the attention before it, whose
+queries are every token (no gather to fuse), stays in PyTorch (mlp_kv.attend_topk).
 """
 
 from __future__ import annotations
