@@ -9,6 +9,7 @@ lives in is imported with it, so the closures below include parent packages.
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -117,6 +118,43 @@ def test_only_the_cli_imports_the_studies():
         assert not bad, (name, bad)
 
 
+def test_the_package_never_imports_the_experiments():
+    """experiments/ depends on the package, never the reverse: no module of src/ imports it
+    (a study folder is loaded by path at run time, `studies.loader`)."""
+    for path in sorted((SRC / PKG).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            assert not [n for n in names if n.split(".")[0] == "experiments"], path
+
+
+STUDY_NAMES = ("isoflop", "round2", "round3", "round4", "mode", "kv", "mor", "convert", "gpu")
+
+
+def test_the_installed_package_holds_no_study():
+    """No study plan or study report in the package: no module or package named after one
+    under studies/, no ``STUDY`` defined in src/, and `mod study --help` lists none of them."""
+    studies = SRC / PKG / "studies"
+    assert not [p for p in studies.iterdir() if p.stem in STUDY_NAMES]
+    for path in sorted((SRC / PKG).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        defined = [t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                   for t in n.targets if isinstance(t, ast.Name)]  # fmt: skip
+        assert "STUDY" not in defined, path
+    help_text = (ROOT / "tests" / "cli" / "help" / "study.txt").read_text()
+    assert not [n for n in STUDY_NAMES if re.search(rf"\b{n}\b", help_text)]
+
+
+def test_every_study_folder_defines_its_study_and_says_what_it_asks():
+    experiments = ROOT / "experiments"
+    for folder in sorted(p for p in experiments.iterdir() if (p / "__init__.py").exists()):
+        assert "STUDY" in (folder / "__init__.py").read_text(), folder
+        assert (folder / "README.md").exists(), folder
+
+
 def test_the_server_stands_on_the_library_and_only_the_cli_runs_it():
     """serve/ imports the library only (never cli/, train/, studies/, bench/), and only cli/
     imports its HTTP modules (they need the [serve] extra: docs/serving.md)."""
@@ -131,7 +169,8 @@ def test_the_server_stands_on_the_library_and_only_the_cli_runs_it():
 
 
 def _python_files() -> list[Path]:
-    return [p for d in ("src", "tests", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
+    folders = ("src", "tests", "benchmarks", "experiments")
+    return [p for d in folders for p in sorted((ROOT / d).rglob("*.py"))]
 
 
 def test_no_module_imports_another_modules_private_name():

@@ -19,12 +19,12 @@ def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="run or resume a study of training runs at fixed FLOP budgets, named by its "
-        "folder (e.g. experiments/round3)",
+        "folder",
         description="Train the runs a study folder plans (its __init__.py defines STUDY), each "
         "to a fixed training-FLOP budget, and write results.jsonl, report.md and the figures "
         "into the folder (--quick: into <folder>/quick; --out: elsewhere). Rerun to resume.",
     )
-    p.add_argument("study", help="the study's folder, e.g. experiments/round3")
+    p.add_argument("study", help="the study's folder (its __init__.py defines STUDY)")
     p.add_argument(
         "--out",
         default=None,

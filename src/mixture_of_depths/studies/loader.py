@@ -1,4 +1,4 @@
-"""A study named by its folder (`mod study experiments/round4`): the folder is a Python package
+"""A study named by its folder (`mod study FOLDER`): the folder is a Python package
 outside the installed library whose ``__init__.py`` defines ``STUDY``, a `rounds.Round`. Its
 results, report and figures live in the folder itself (``--quick``: in ``<folder>/quick``), its
 runs' checkpoints in ``<folder>/runs`` (ignored by git), unless ``--out`` / ``--work`` say
@@ -22,7 +22,7 @@ def study_folder(path: str | Path) -> Path:
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
         raise ValueError(f"study {str(path)!r}: no such folder (a study is a folder whose "
-                         f"{ENTRY} defines STUDY, e.g. experiments/round4)")  # fmt: skip
+                         f"{ENTRY} defines STUDY)")  # fmt: skip
     if not (folder / ENTRY).is_file():
         raise ValueError(f"study {str(path)!r}: the folder has no {ENTRY} (a study is a folder "
                          "whose __init__.py defines STUDY)")  # fmt: skip
