@@ -8,7 +8,8 @@ length (256, and 1024, where a token that sees 12.5% of its history should lose 
 shape trained as: dense; MoD (every other block routed) with each strategy at capacities 12.5%
 and 25%. Every sequence length trains on the same tokens per step (batch 16 x 256 or 4 x 1024).
 At the larger budget the best run of each strategy at each length trains again with a second
-seed; a difference counts only beyond those runs' seed spread.
+seed; residual is judged against none by the verdict module (`verdict.compare`), per capacity
+and each strategy at its best capacity.
 
 Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, which charges
 "residual" its skippers' K/V projections and its routed queries' attention over every key). After
@@ -44,6 +45,7 @@ from mixture_of_depths.studies.runner import (
     second_seed,
     seed_gaps,
 )
+from mixture_of_depths.studies.verdict import Arm, Verdict, best_of, compare
 from mixture_of_depths.train import CHECKPOINT_NAME, has_checkpoint
 
 SEQ_LENS: tuple[tuple[int, int], ...] = ((256, 16), (1024, 4))  # (length, batch): 4096 tokens
@@ -202,40 +204,101 @@ def _merged(results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
     return rows
 
 
+# TrainConfig's peak learning rate when these runs trained (their rows name none: the default),
+# pinned so that a later default does not rewrite the report
+DEFAULT_LR = 2e-3
+CAPACITIES = ("12.5%", "25%")
+
+
+def rate_text(lr: float) -> str:
+    """A learning rate as the report writes it: 0.002 -> "2e-3"."""
+    return f"{lr:.0e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def _size(r: dict[str, Any]) -> str:
+    return r["name"].rsplit("-", 2)[-2]  # <budget>-T<length>-<tag>-<size>-s<seed>
+
+
+def _lr(r: dict[str, Any]) -> float:
+    return r.get("lr") or DEFAULT_LR
+
+
+def _grid(rows: list[dict[str, Any]], point: Any) -> list[tuple[Any, dict[int, float]]]:
+    """`rows` as a `best_of` grid: per point (`point(row)`, in sorted order), loss per seed."""
+    grid: dict[Any, dict[int, float]] = {}
+    for r in rows:
+        grid.setdefault(point(r), {})[r["seed"]] = r["val_loss_causal"]
+    return sorted(grid.items(), key=lambda p: p[0])
+
+
+def arm(rows: list[dict[str, Any]], strat: str, caps: tuple[str, ...]) -> Arm | None:
+    """Strategy `strat` at one budget and length as an `Arm`: at the best of capacities `caps`
+    (`best_of`; with two tried, its best is an end of them: not bracketed), the edge of the
+    sizes it trained at (one here) and its learning rate's (one, for every model)."""
+    by_cap = [(cap, [r for r in rows if r["label"] == f"MoD {cap}, {strat}"]) for cap in caps]
+    by_cap = [(cap, runs) for cap, runs in by_cap if runs]
+    if not by_cap:
+        return None
+    grid = [(cap, {r["seed"]: r["val_loss_causal"] for r in runs}) for cap, runs in by_cap]
+    cap, cap_end = best_of(grid, "capacity", ("lowest", "highest"))
+    runs = dict(by_cap)[cap]
+    size, edge = best_of(_grid(runs, _size))
+    at_size = [r for r in runs if _size(r) == size]
+    rates = [
+        (rate_text(lr), seeds) for lr, seeds in _grid(at_size, lambda r: r.get("lr") or DEFAULT_LR)
+    ]
+    rate, rate_end = best_of(rates, "learning rate", ("lowest", "highest"))
+    ends = [e for e in (cap_end if len(caps) > 1 else None, rate_end) if e]
+    label = f"MoD {cap}, {strat} ({size})"
+    return Arm(label, dict(rates)[rate], edge, "; ".join(ends) or None)
+
+
+def _judge(rows: list[dict[str, Any]], caps: tuple[str, ...]) -> Verdict | None:
+    """Residual against none (the baseline) at capacities `caps`, each at its best of them."""
+    res, none = arm(rows, "residual", caps), arm(rows, "none", caps)
+    return None if res is None or none is None else compare(res, none)
+
+
 def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per budget and length: each model's causal loss (mean over seeds), the seed spread, and
-    per capacity the residual-minus-none difference with its verdict."""
-    out: dict[str, Any] = {"cells": []}
+    """Per budget and length: each model's causal loss (mean over seeds), the cell's largest
+    seed spread, per capacity the residual-minus-none difference and its verdict's key, and
+    the key of residual against none each at its best capacity; the verdicts (`verdict.compare`,
+    residual against none) by key."""
+    sizes = sorted({_size(r) for r in results})
+    rates = [rate_text(lr) for lr in sorted({_lr(r) for r in results})]
+    out: dict[str, Any] = {"sizes": sizes, "learning_rates": rates, "cells": [], "verdicts": {}}
     for budget in sorted({r["budget"] for r in results}):
         for T in sorted({r["seq_len"] for r in results}):
             rows = [r for r in results if r["budget"] == budget and r["seq_len"] == T]
             loss = mean_seeds([{**r, "judged": r["val_loss_causal"]} for r in rows], "judged")
             gaps = seed_gaps(rows)
             spread = max(gaps.values()) if gaps else None
+            where = f"{budget_tag(budget)}-t{T}"
             pairs = []
-            for cap in ("12.5%", "25%"):
+            for cap in CAPACITIES:
                 a, b = f"MoD {cap}, none", f"MoD {cap}, residual"
-                if a in loss and b in loss:
-                    first = {r["label"]: r for r in rows if r["seed"] == 0}
-                    per_step = same_steps_loss(first[a], first[b])
-                    diff = loss[a] - loss[b]  # > 0: residual is better
-                    if spread is None:
-                        verdict = "no second seed at this budget"
-                    elif abs(diff) <= spread:
-                        verdict = "within the seed spread"
-                    else:
-                        verdict = "residual better" if diff > 0 else "none better"
-                    pairs.append(
-                        {
-                            "capacity": cap,
-                            "none": loss[a],
-                            "residual": loss[b],
-                            "gain_residual": diff / loss[a],
-                            "verdict": verdict,
-                            "steps": [first[a]["steps"], first[b]["steps"]],
-                            "train_loss_same_steps": per_step,
-                        }
-                    )
+                verdict = _judge(rows, (cap,))
+                if verdict is None:
+                    continue
+                key = f"residual-vs-none-c{cap.rstrip('%')}-{where}"
+                out["verdicts"][key] = verdict.as_dict()
+                first = {r["label"]: r for r in rows if r["seed"] == 0}
+                per_step = same_steps_loss(first[a], first[b])
+                diff = loss[a] - loss[b]  # > 0: residual is lower
+                pairs.append(
+                    {
+                        "capacity": cap,
+                        "none": loss[a],
+                        "residual": loss[b],
+                        "gain_residual": diff / loss[a],
+                        "verdict": key,
+                        "steps": [first[a]["steps"], first[b]["steps"]],
+                        "train_loss_same_steps": per_step,
+                    }
+                )
+            best = _judge(rows, CAPACITIES)
+            if best is not None:
+                out["verdicts"][f"residual-vs-none-{where}"] = best.as_dict()
             out["cells"].append(
                 {
                     "budget": budget,
@@ -243,6 +306,7 @@ def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
                     "loss": loss,
                     "seed_spread": spread,
                     "pairs": pairs,
+                    "best_capacity": None if best is None else f"residual-vs-none-{where}",
                 }
             )
     return out
@@ -327,8 +391,18 @@ def _intro(settings: StudySettings) -> list[str]:
 
 
 def _pairs(summary: dict[str, Any]) -> list[str]:
-    """Residual against none per cell and capacity, with its verdict and the same-steps loss."""
-    lines = ["## Residual against none, per capacity", ""]
+    """Residual against none per cell and capacity, and each at its best capacity: the
+    verdicts (residual against none), with the same-steps loss."""
+    verdicts = summary["verdicts"]
+    lines = [
+        "## Residual against none, per capacity",
+        "",
+        f"{_tried(summary)}. Each "
+        "verdict is the verdict module's (`mixture_of_depths.studies.verdict`): residual minus "
+        "none on every seed both trained (only the larger budget's best run of each strategy "
+        "at each length has a second seed), against the larger seed range of the two.",
+        "",
+    ]
     for c in summary["cells"]:
         sp = "-" if c["seed_spread"] is None else f"{c['seed_spread']:.4f}"
         for p in c["pairs"]:
@@ -343,10 +417,24 @@ def _pairs(summary: dict[str, Any]) -> list[str]:
             lines.append(
                 f"- budget {c['budget']:.0e}, T={c['seq_len']}, capacity {p['capacity']}: none "
                 f"{p['none']:.4f}, residual {p['residual']:.4f} (residual "
-                f"{-100 * p['gain_residual']:+.2f}% against none; seed spread {sp}): "
-                f"{p['verdict']}.{per_step}"
+                f"{-100 * p['gain_residual']:+.2f}% against none; the cell's largest seed "
+                f"spread {sp}): {verdicts[p['verdict']]['text']}.{per_step}"
             )
+    lines += ["", "## Residual against none, each at its best capacity", ""]
+    for c in summary["cells"]:
+        if c["best_capacity"] is not None:
+            text = verdicts[c["best_capacity"]]["text"]
+            lines.append(f"- budget {c['budget']:.0e}, T={c['seq_len']}: {text}.")
     return lines
+
+
+def _tried(summary: dict[str, Any]) -> str:
+    """The sizes and learning rates every model trained at, in words."""
+    sizes, rates = ", ".join(summary["sizes"]), ", ".join(summary["learning_rates"])
+    if len(summary["sizes"]) == len(summary["learning_rates"]) == 1:
+        return (f"Every model trained at one size ({sizes}) and one peak learning rate ({rates}): "
+                "neither is bracketed, so the verdicts name both, for both strategies")  # fmt: skip
+    return f"Sizes tried: {sizes}; peak learning rates: {rates}"
 
 
 def _tables(rows: list[dict[str, Any]]) -> list[str]:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from experiments.kv import study as kv
 from mixture_of_depths import MoDConfig
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.studies import measure, runner
+from mixture_of_depths.studies import measure, runner, verdict
+
+FOLDER = Path(kv.__file__).parent  # the committed results, measurements, report and findings
 
 
 @pytest.mark.slow
@@ -57,5 +61,34 @@ def test_kv_plan_trains_both_lengths_to_budget_and_measures_each_model(
     assert "## Budget 1.0e+09 FLOPs, sequences of 64" in report
     assert "capacity 12.5%: none" in report and (out / "kv.png").exists()
     assert "at the same steps" in report  # the pair's training loss on the same batches
-    cells = json.loads((out / "findings.json").read_text())["cells"]
+    found = json.loads((out / "findings.json").read_text())
+    cells = found["cells"]
     assert [c["seq_len"] for c in cells] == [32, 64] and all(c["pairs"] for c in cells)
+    for c in cells:  # each pair's verdict is the verdict module's, quoted in the report
+        judged = found["verdicts"][c["pairs"][0]["verdict"]]
+        assert judged["verdict"] in verdict.WORDS and judged["text"] in report
+
+
+def test_the_committed_report_is_what_the_committed_results_make(tmp_path: Path):
+    """`mod study experiments/kv --report` from the committed results and measurements, into a
+    folder of its own: the report and findings equal the committed ones, byte for byte."""
+    for name in ("results.jsonl", "measures.jsonl", "decode.jsonl"):
+        shutil.copy(FOLDER / name, tmp_path / name)
+    runner.rewrite_report(kv.PLAN, tmp_path)
+    for name in ("report.md", "findings.json"):
+        assert (tmp_path / name).read_bytes() == (FOLDER / name).read_bytes(), name
+
+
+def test_a_pair_with_one_shared_seed_is_a_reading_and_the_best_capacities_are_not_bracketed():
+    """Only each strategy's best run at the larger budget has a second seed: a capacity's pair
+    shares one seed (a reading), and the strategies at their best of two capacities are at an
+    end of them (and of the one learning rate): no pair says better or worse."""
+    found = kv.findings(runner.load_results(FOLDER / "results.jsonl"))
+    words = {k: v["verdict"] for k, v in found["verdicts"].items()}
+    pairs = [k for k in words if "-c12.5-" in k or "-c25-" in k]
+    assert len(pairs) == 8 and {words[k] for k in pairs} == {verdict.ONE_SEED}
+    assert words["residual-vs-none-4e12-t256"] == verdict.UNBRACKETED
+    assert words["residual-vs-none-4e12-t1024"] == verdict.WITHIN
+    why = found["verdicts"]["residual-vs-none-4e12-t256"]["why"]
+    assert "its best capacity, 12.5%, is the lowest tried (12.5%, 25%)" in why
+    assert "one learning rate tried (2e-3)" in why
