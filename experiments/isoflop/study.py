@@ -12,6 +12,7 @@ plots are rewritten from ``results.jsonl`` after every run.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from mixture_of_depths.studies.runner import (
     mean_seeds,
     seed_gaps,
 )
+from mixture_of_depths.studies.verdict import Arm, Verdict, best_of, compare
 
 # Sizes bracket the compute-optimal size of these budgets (N ~ sqrt(C / 120) is 0.2M-0.6M
 # parameters), so each isoFLOP curve can show its minimum. At the largest budget the smallest
@@ -107,6 +109,54 @@ def plan(settings: StudySettings) -> list[RunSpec]:
     return specs
 
 
+# -- verdicts ------------------------------------------------------------------------------------
+# Rounds 1 and 2 trained every model at one learning rate (TrainConfig's 2e-3). Round 3 tuned
+# dense's (experiments/round3/results.jsonl): at 1.5e14 FLOPs and 1024 tokens dense XS at 4e-3 was
+# 0.19 nats lower than at 2e-3, so no dense baseline of these rounds is bracketed.
+DENSE_RATE = (
+    "one learning rate tried, 2e-3 (round 3 found dense 0.19 nats lower at 4e-3: "
+    "experiments/round3/results.jsonl)"
+)
+
+
+def size_of(label: str) -> str:
+    """ "MoD XS" -> "XS"."""
+    return label.split(" ", 1)[1]
+
+
+def size_grid(rows: list[dict[str, Any]], key: str) -> list[tuple[str, dict[int, float]]]:
+    """One architecture's sizes at one budget, smallest first (by parameters), each its `key`
+    per seed: the grid its best size was chosen from."""
+    by: dict[str, dict[int, float]] = {}
+    params: dict[str, float] = {}
+    for r in rows:
+        by.setdefault(size_of(r["label"]), {})[r["seed"]] = r[key]
+        params[size_of(r["label"])] = r["params"]
+    return [(size, by[size]) for size in sorted(by, key=params.__getitem__)]
+
+
+def grid_edge(
+    grid: list[tuple[str, dict[int, float]]], best: str, what: str = "size"
+) -> str | None:
+    """Why `best`, the headline's best point of `grid` (each point's mean over its own seeds,
+    as round 2's grid bracketed it), is not a measured interior optimum, in `best_of`'s words;
+    None where it is. `best_of` reads the seeds every point trained: where that reading puts
+    the best at an edge, or the headline's best sits at one, the optimum was not measured."""
+    got, edge = best_of(grid, what)
+    if got == best:
+        return edge
+    if edge is not None:
+        shared = sorted(set.intersection(*(set(s) for _, s in grid)))
+        seeds = ", ".join(str(s) for s in shared)
+        return f"{edge} on seed {seeds}, the one every {what} trained"
+    # the headline's best, in best_of's words: one mean per point (the key is a placeholder)
+    return best_of([(v, {0: statistics.fmean(s.values())}) for v, s in grid], what)[1]
+
+
+def is_dense(r: dict[str, Any]) -> bool:
+    return r["model"].get("layer_pattern") == "D"
+
+
 # -- findings -------------------------------------------------------------------------------------
 def _describe(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
@@ -118,11 +168,15 @@ def _describe(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _budget_findings(rows: list[dict[str, Any]], budget: float) -> dict[str, Any] | None:
-    """One budget's best dense and best MoD, their gap against the seed spread, and the cheapest
-    MoD forward that matches the best dense loss; None without both architectures."""
-    dense = [r for r in rows if r["model"].get("layer_pattern") == "D"]
-    mod = [r for r in rows if r["model"].get("layer_pattern") != "D"]
+def _budget_findings(
+    rows: list[dict[str, Any]], budget: float, dense_rate: str | None
+) -> tuple[dict[str, Any], dict[str, Verdict]] | None:
+    """One budget's best dense and best MoD, the verdict of one against the other, and the
+    cheapest MoD forward whose loss comes within the budget's seed spread of the best dense
+    loss (or below it), with its verdict; None without both architectures. The verdicts by key
+    (``mod-vs-dense-<budget>``, ``matching-<budget>``)."""
+    dense = [r for r in rows if is_dense(r)]
+    mod = [r for r in rows if not is_dense(r)]
     if not dense or not mod:
         return None
     d_loss = mean_seeds(dense, "val_loss_topk")
@@ -133,19 +187,22 @@ def _budget_findings(rows: list[dict[str, Any]], budget: float) -> dict[str, Any
     gaps = seed_gaps(rows)
     spread = max(gaps.values()) if gaps else None
     gain = (d_loss[bd] - m_loss[bm]) / d_loss[bd]
-    diff = d_loss[bd] - m_loss[bm]
-    if spread is None:
-        verdict = "no second seed yet"
-    elif abs(diff) <= spread:
-        verdict = "within the seed spread"
-    else:
-        verdict = "MoD better" if diff > 0 else "dense better"
+    d_grid, m_grid = size_grid(dense, "val_loss_topk"), size_grid(mod, "val_loss_causal")
+    d_arm = Arm(bd, dict(d_grid)[size_of(bd)], grid_edge(d_grid, size_of(bd)), dense_rate)
+    m_arm = Arm(bm, dict(m_grid)[size_of(bm)], grid_edge(m_grid, size_of(bm)))
+    tag = budget_tag(budget)
+    verdicts = {f"mod-vs-dense-{tag}": compare(m_arm, d_arm)}
     # MoD models at this budget whose causal loss reaches the best dense loss (or comes within
-    # the seed spread of it): the cheapest forward among them, against the best dense's.
+    # the seed spread of it): the cheapest forward among them, against the best dense's. Its
+    # own optimum does not matter to that claim, so it carries no edge unless it is the best.
     tol = spread or 0.0
     match = [lab for lab in m_loss if m_loss[lab] <= d_loss[bd] + tol]
     cheapest = min(match, key=lambda lab: first[lab]["flops_per_forward_token"], default=None)
-    return {
+    if cheapest is not None:
+        seeds = dict(m_grid)[size_of(cheapest)]
+        cheap = m_arm if cheapest == bm else Arm(cheapest, seeds)
+        verdicts[f"matching-{tag}"] = compare(cheap, d_arm)
+    found = {
         "budget": budget,
         "best_dense": {**_describe(first[bd], rows), "val_loss": d_loss[bd]},
         "best_mod": {
@@ -155,7 +212,7 @@ def _budget_findings(rows: list[dict[str, Any]], budget: float) -> dict[str, Any
         },
         "mod_gain": gain,
         "seed_spread": spread,
-        "verdict": verdict,
+        "verdict": f"mod-vs-dense-{tag}",
         "mod_matching": None
         if cheapest is None
         else {
@@ -163,8 +220,10 @@ def _budget_findings(rows: list[dict[str, Any]], budget: float) -> dict[str, Any
             "val_loss_causal": m_loss[cheapest],
             "flops_ratio_vs_best_dense": first[cheapest]["flops_per_forward_token"]
             / first[bd]["flops_per_forward_token"],
+            "verdict": f"matching-{tag}",
         },
     }
+    return found, verdicts
 
 
 def _range(values: list[float]) -> dict[str, float]:
@@ -173,8 +232,10 @@ def _range(values: list[float]) -> dict[str, float]:
 
 def _ablation_findings(
     results: list[dict[str, Any]], iso: list[dict[str, Any]]
-) -> list[dict[str, Any]] | None:
-    """Each ablation's losses against the MoD run of its size and budget (None without both)."""
+) -> tuple[list[dict[str, Any]], dict[str, Verdict]] | None:
+    """Each ablation's losses against the MoD run of its size and budget, and its verdict
+    (``ablation-<variant>``); the best capacity against the next (``capacity-best``) and the
+    predictor against random routing (``predictor-vs-random-routing``). None without both."""
     abl = [r for r in results if r["group"] == "ablation"]
     if not abl:
         return None
@@ -183,7 +244,7 @@ def _ablation_findings(
         for r in iso
         if r["group"] == "isoflop"
         and r["budget"] == abl[0]["budget"]
-        and r["model"].get("layer_pattern") != "D"
+        and not is_dense(r)
         and r["model"]["d_model"] == abl[0]["model"]["d_model"]
     ]
     if not base:
@@ -201,21 +262,54 @@ def _ablation_findings(
         for r in [b, *abl]
     ]
     rows[0]["label"] = "baseline (learned, sigmoid gate, aux loss)"
-    return rows
+    # every arm here trained at one size: its optimum over sizes was not measured
+    one_size = best_of([(size_of(b["label"]), {0: 0.0})])[1]
+    same = [r for r in iso if r["budget"] == b["budget"] and r["label"] == b["label"]]
+    seeds = {r["seed"]: r["val_loss_causal"] for r in same}
+    arms = {"baseline": Arm(f"{b['label']}, baseline", seeds, one_size)}
+    for row, r in zip(rows[1:], abl, strict=True):
+        seeds = {x["seed"]: x["val_loss_causal"] for x in abl if x["label"] == r["label"]}
+        arms[row["label"]] = Arm(r["label"], seeds, one_size)
+        row["verdict"] = "ablation-" + row["label"].replace(" ", "-").replace("%", "")
+    verdicts = {row["verdict"]: compare(arms[row["label"]], arms["baseline"]) for row in rows[1:]}
+    verdicts.update(_capacity_verdict(b, abl, arms))
+    if "predictor" in arms and "random routing" in arms:
+        verdicts["predictor-vs-random-routing"] = compare(arms["predictor"], arms["random routing"])
+    return rows, verdicts
 
 
-def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The study's answers, computed from the results: per budget the best dense and best MoD
-    (MoD judged by its causal loss; seeds averaged where there are two), the gap against the seed
-    spread, the cheapest MoD forward that matches the best dense loss; learned against random
-    routing; the causal-mode gap; routing accuracy."""
+def _capacity_verdict(
+    b: dict[str, Any], abl: list[dict[str, Any]], arms: dict[str, Arm]
+) -> dict[str, Verdict]:
+    """The best capacity tried against the next best, its edge from the capacities tried."""
+    labels = {r["label"].split(", ")[-1] for r in abl}
+    at = {lab.removeprefix("capacity "): arms[lab] for lab in labels if lab.startswith("capacity ")}
+    if not at or "capacity" not in b["model"]:
+        return {}
+    at[f"{b['model']['capacity']:.1%}".replace(".0%", "%")] = arms["baseline"]
+    order = sorted(at, key=lambda c: float(c.rstrip("%")))
+    grid = [(c, dict(at[c].seeds)) for c in order]
+    best, edge = best_of(grid, "capacity", ("lowest", "highest"))
+    means = {c: statistics.fmean(s.values()) for c, s in grid}
+    runner_up = min((c for c in order if c != best), key=means.__getitem__)
+    a = Arm(f"MoD {size_of(b['label'])}, capacity {best}", at[best].seeds, edge)
+    other = Arm(f"MoD {size_of(b['label'])}, capacity {runner_up}", at[runner_up].seeds)
+    return {"capacity-best": compare(a, other)}
+
+
+def judge(
+    results: list[dict[str, Any]], dense_rate: str | None = DENSE_RATE
+) -> tuple[dict[str, Any], dict[str, Verdict]]:
+    """`findings` less its "verdicts", and the verdicts themselves by key."""
     out: dict[str, Any] = {"budgets": []}
+    verdicts: dict[str, Verdict] = {}
     iso = [r for r in results if r["group"] in ("isoflop", "seed")]
     for budget in sorted({r["budget"] for r in iso}):
-        found = _budget_findings([r for r in iso if r["budget"] == budget], budget)
+        found = _budget_findings([r for r in iso if r["budget"] == budget], budget, dense_rate)
         if found is not None:
-            out["budgets"].append(found)
-    mods = [r for r in iso if r["model"].get("layer_pattern") != "D"]
+            out["budgets"].append(found[0])
+            verdicts.update(found[1])
+    mods = [r for r in iso if not is_dense(r)]
     if mods:
         gaps = [(r["val_loss_causal"] - r["val_loss_topk"]) / r["val_loss_topk"] for r in mods]
         accs = [r["routing_accuracy_mean"] for r in mods if r["routing_accuracy_mean"] is not None]
@@ -224,18 +318,32 @@ def findings(results: list[dict[str, Any]]) -> dict[str, Any]:
             out["routing_accuracy"] = _range(accs)
     ablations = _ablation_findings(results, iso)
     if ablations is not None:
-        out["ablations"] = ablations
-    return out
+        out["ablations"] = ablations[0]
+        verdicts.update(ablations[1])
+    return out, verdicts
+
+
+def findings(results: list[dict[str, Any]], dense_rate: str | None = DENSE_RATE) -> dict[str, Any]:
+    """The study's answers, computed from the results: per budget the best dense and best MoD
+    (MoD judged by its causal loss; seeds averaged where there are two) and the verdict of one
+    against the other, the cheapest MoD forward that matches the best dense loss; the
+    ablations' verdicts; the causal-mode gap; routing accuracy. `dense_rate`: why dense's
+    learning rate is not bracketed (None: it is). "verdicts" holds every verdict by key."""
+    out, verdicts = judge(results, dense_rate)
+    return {**out, "verdicts": {key: v.as_dict() for key, v in verdicts.items()}}
 
 
 def format_findings(f: dict[str, Any]) -> list[str]:
-    """The headline of `findings` as report lines: the best models per budget, the matching MoD,
-    the causal gap, routing accuracy and the ablations."""
+    """The headline of `findings` as report lines: the best models per budget and their
+    verdicts, the matching MoD, the causal gap, routing accuracy and the ablations."""
+    verdicts = f["verdicts"]
     lines = [
         "## Headline",
         "",
         "MoD is judged by its causal-mode loss (what generation gets); losses are the mean over "
-        "seeds where a second seed ran. Seed spread: the largest |seed 0 - seed 1| at that budget.",
+        "seeds where a second seed ran. Seed spread: the largest |seed 0 - seed 1| at that budget. "
+        "Verdict: the best MoD against the best dense by `mixture_of_depths.studies.verdict`, on "
+        "the seeds both trained, against the wider of their two seed ranges.",
         "",
         "| budget | best dense | params | FLOPs/fwd tok | tok/s | loss | best MoD | params | "
         "FLOPs/fwd tok | tok/s | loss top-k | loss causal | MoD vs dense | seed spread | verdict |",
@@ -250,22 +358,27 @@ def format_findings(f: dict[str, Any]) -> list[str]:
             f"{d['val_loss']:.4f} | {m['label']} | {m['params'] / 1e6:.2f}M | "
             f"{m['flops_per_forward_token'] / 1e6:.2f}M | {m['tokens_per_s']:,.0f} | "
             f"{m['val_loss_topk']:.4f} | {m['val_loss_causal']:.4f} | {-100 * b['mod_gain']:+.2f}% "
-            f"loss | {sp} | {b['verdict']} |"
+            f"loss | {sp} | {verdicts[b['verdict']]['verdict']} |"
         )
+    texts = (verdicts[b["verdict"]]["text"] for b in f["budgets"])
+    lines += ["", *(f"- {b['budget']:.1e}: {t}." for b, t in zip(f["budgets"], texts, strict=True))]
     lines += [
         "",
-        "MoD matching the best dense loss at the same budget (within the seed spread):",
+        "The MoD model with the cheapest forward among those whose causal loss comes within the "
+        "budget's seed spread of the best dense loss, or below it, and its verdict against the "
+        "best dense:",
         "",
     ]
     for b in f["budgets"]:
         mm = b["mod_matching"]
         if mm is None:
-            lines.append(f"- {b['budget']:.1e}: no MoD model reaches it.")
+            lines.append(f"- {b['budget']:.1e}: no MoD model comes that close.")
         else:
             lines.append(
                 f"- {b['budget']:.1e}: {mm['label']} (causal {mm['val_loss_causal']:.4f}) at "
                 f"{mm['flops_per_forward_token'] / 1e6:.2f}M FLOPs per forward token, "
-                f"{mm['flops_ratio_vs_best_dense']:.2f}x the best dense model's."
+                f"{mm['flops_ratio_vs_best_dense']:.2f}x the best dense model's. "
+                f"{verdicts[mm['verdict']]['text']}."
             )
     return lines + _format_routing(f) + _format_ablations(f)
 
@@ -291,20 +404,25 @@ def _format_routing(f: dict[str, Any]) -> list[str]:
 def _format_ablations(f: dict[str, Any]) -> list[str]:
     if "ablations" not in f:
         return []
+    verdicts = f["verdicts"]
     lines = [
         "",
         "## Ablations (middle budget, size of the ablation runs)",
         "",
-        "| variant | loss top-k | loss causal | vs baseline (causal) | routing acc. |",
-        "|---|---|---|---|---|",
+        "| variant | loss top-k | loss causal | vs baseline (causal) | routing acc. | verdict |",
+        "|---|---|---|---|---|---|",
     ]
     for a in f["ablations"]:
         acc = a["routing_accuracy_mean"]
+        word = verdicts[a["verdict"]]["verdict"] if "verdict" in a else ""
         lines.append(
             f"| {a['label']} | {a['val_loss_topk']:.4f} | {a['val_loss_causal']:.4f} | "
-            f"{100 * a['vs_baseline_causal']:+.2f}% | {'' if acc is None else f'{acc:.1%}'} |"
+            f"{100 * a['vs_baseline_causal']:+.2f}% | {'' if acc is None else f'{acc:.1%}'} | "
+            f"{word} |"
         )
-    return lines
+    keys = [a["verdict"] for a in f["ablations"] if "verdict" in a]
+    keys += [k for k in ("capacity-best", "predictor-vs-random-routing") if k in verdicts]
+    return [*lines, "", *(f"- {verdicts[k]['text']}." for k in keys)]
 
 
 # -- report ---------------------------------------------------------------------------------------
