@@ -17,6 +17,6 @@ def _run(out: Path, work: Path, quick: bool, data: str | None, progress: bool) -
     return 0
 
 
-STUDY = Loop("convert", study.FOLDERS, _run)
+STUDY = Loop("convert", study.FOLDERS, _run, report=study.report)
 
 __all__ = ["STUDY"]

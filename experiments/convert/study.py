@@ -22,6 +22,11 @@ in the work folder until the report is written.
 
 Learning rates: routers 3e-3 (new parameters), full fine-tune 3e-4 (pretrained weights, a tenth
 of the dense run's peak); both with the warm-up and cosine of `TrainConfig`.
+
+The report judges each MoD model against its baseline by the verdict module (`verdicts`: the
+conversion against the dense original, a tuned model against dense + ft; one seed each) into
+findings.json; `report` rewrites it from results.jsonl alone (`mod study experiments/convert
+--report`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from mixture_of_depths.runtime.checkpoint import load_config, resolve_checkpoint
 from mixture_of_depths.studies.measure import decode_speeds
 from mixture_of_depths.studies.plots import pyplot
 from mixture_of_depths.studies.runner import Folders, load_results
+from mixture_of_depths.studies.verdict import Arm, Verdict, compare
 from mixture_of_depths.train import TrainConfig, evaluate_checkpoint, has_checkpoint, train
 
 CAPACITIES = (0.5, 0.25, 0.125)
@@ -202,10 +208,46 @@ def measure_decode(
     record("dense", **dense)
 
 
+def _arm(r: dict[str, Any], label: str, lr: float | None, size: str) -> Arm:
+    """One model as an `Arm`: its seed's loss (every model here trained one seed: TrainConfig's
+    0), one size (the preset) and, where it trained, one learning rate tried."""
+    rate = None if lr is None else f"one learning rate tried ({lr:g})"
+    return Arm(label, {r.get("seed", 0): r["val_loss_causal"]}, f"one size tried ({size})", rate)
+
+
+def verdicts(results: list[dict[str, Any]], s: Settings) -> dict[str, Verdict]:
+    """Each MoD model against its baseline (`verdict.compare`), by key: the untrained conversion
+    against the dense original; a tuned one against the dense model trained as many steps more
+    (dense + ft), the fair baseline for anything that trained again."""
+    by = {r["name"]: r for r in results}
+    out: dict[str, Verdict] = {}
+    for c in CAPACITIES:
+        for v in VARIANTS:
+            r = by.get(f"{v}-{_tag(c)}")
+            base = by.get("dense" if v == "converted" else "dense+ft")
+            if r is None or base is None:
+                continue
+            lr = None if v == "converted" else s.full_lr if v == "full" else s.router_lr
+            a = _arm(r, f"{v} at capacity {c}", lr, s.preset)
+            if v == "converted":
+                b, against = _arm(base, "dense original", None, s.preset), "dense"
+            else:
+                b = _arm(base, f"dense + {s.tune_steps} steps", s.full_lr, s.preset)
+                against = "dense-ft"
+            out[f"{v.replace('+', '-')}-{_tag(c)}-vs-{against}"] = compare(a, b)
+    return out
+
+
+def _one_seed(judged: dict[str, Verdict]) -> list[bool]:
+    return [len(v.a.seeds) == len(v.b.seeds) == 1 for v in judged.values()]
+
+
 def write_report(results: list[dict[str, Any]], out: Path, s: Settings) -> None:
+    """report.md, findings.json (the verdicts, by key) and convert.png from `results`."""
     by = {r["name"]: r for r in results}
     dense = by.get("dense", {})
     base = dense.get("val_loss_causal")
+    judged = verdicts(results, s)
     lines = [
         "# Converting a pretrained dense model to MoD",
         "",
@@ -214,7 +256,8 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Settings) -> None:
         f"routed) and tuned {s.tune_steps} steps (routers lr {s.router_lr}, full fine-tune lr "
         f"{s.full_lr}, batch {s.batch_size}). Validation: {s.eval_batches} batches, causal "
         "routing (generation's) and top-k. Decode: tokens/s at batch 1 and 8 beside the dense "
-        "original, one thread, the median of interleaved rounds.",
+        "original, one thread, the median of interleaved rounds. `mod study experiments/convert "
+        "--report` rewrites this page from results.jsonl.",
         "",
         "| capacity | model | val loss causal | vs dense | val loss top-k | decode b1 tok/s | "
         "speed-up b1 | speed-up b8 |",
@@ -244,8 +287,30 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Settings) -> None:
                 f"| {c} | {v} | {r['val_loss_causal']:.4f} | {gap} | {r['val_loss_topk']:.4f} | "
                 f"{speed[0]:,.0f} | {speed[1]:.2f}x | {r.get('speedup_b8', nan):.2f}x |"
             )
+    if judged:
+        lines += [
+            "",
+            "## Against the baselines",
+            "",
+            "Each verdict is the verdict module's (`mixture_of_depths.studies.verdict`): the "
+            "untrained conversion against the dense original, each tuned model against the dense "
+            f"model trained {s.tune_steps} steps more (the same steps)."
+            + (" Every model trained one seed." if all(_one_seed(judged)) else ""),
+            "",
+            *[f"- {v.text()}" for v in judged.values()],
+        ]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    found = {"verdicts": {k: v.as_dict() for k, v in judged.items()}}
+    atomic_write_text(out / "findings.json", json_text(found, indent=1) + "\n")
     _plot(results, out)
+
+
+def report(out: Path, quick: bool) -> None:
+    """`mod study experiments/convert --report`: the report from ``out/results.jsonl`` alone."""
+    results = load_results(out / "results.jsonl")
+    if not results:
+        raise ValueError(f"no results in {out / 'results.jsonl'}: nothing to report")
+    write_report(results, out, QUICK if quick else Settings())
 
 
 def _plot(results: list[dict[str, Any]], out: Path) -> None:

@@ -1,12 +1,20 @@
-"""The conversion study, cut down (slow, needs the [hf] extra)."""
+"""The conversion study, cut down (slow, needs the [hf] extra); its committed report rewritten
+from its committed results (fast)."""
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from experiments.convert import STUDY
 from experiments.convert import study as convert
-from mixture_of_depths.studies import measure
+from mixture_of_depths.studies import measure, runner, verdict
+
+FOLDER = Path(convert.__file__).parent  # the committed results, report and findings
 
 
 @pytest.mark.hf
@@ -52,7 +60,30 @@ def test_convert_plan_trains_each_variant_and_times_it_beside_dense(
             assert r["decode_tok_s_b1"] > 0 and r["speedup_b8"] > 0
     report = (out / "report.md").read_text()
     assert report.count("| 0.125 |") == 4 and "dense original" in report
+    found = json.loads((out / "findings.json").read_text())["verdicts"]
+    assert len(found) == 12 and all(v["text"] in report for v in found.values())
     assert (out / "convert.png").stat().st_size > 0
     # Resumable: a second call trains nothing and measures nothing again.
     again = convert.run(out, work, quick=True, data=data, progress=False)
     assert again == results
+
+
+def test_the_committed_report_is_what_the_committed_results_make(tmp_path: Path):
+    """`mod study experiments/convert --report` from the committed results, into a folder of its
+    own: the report and findings equal the committed ones, byte for byte."""
+    shutil.copy(FOLDER / "results.jsonl", tmp_path / "results.jsonl")
+    runner.rewrite_report(STUDY, tmp_path)
+    for name in ("report.md", "findings.json"):
+        assert (tmp_path / name).read_bytes() == (FOLDER / name).read_bytes(), name
+
+
+def test_each_model_is_judged_against_its_baseline_on_its_one_seed():
+    """The untrained conversion against the dense original, a tuned model against dense trained
+    as long: one seed each, so every verdict is a reading."""
+    results = runner.load_results(FOLDER / "results.jsonl")
+    judged = convert.verdicts(results, convert.Settings())
+    assert len(judged) == 3 * 4 and {v.word for v in judged.values()} == {verdict.ONE_SEED}
+    assert judged["converted-c0500-vs-dense"].b.label == "dense original"
+    full = judged["full-c0250-vs-dense-ft"]
+    assert full.b.label == "dense + 300 steps"
+    assert full.diff == pytest.approx(1.3765 - 1.2579, abs=1e-4)
