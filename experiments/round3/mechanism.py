@@ -10,11 +10,17 @@ back? Each hypothesis has the arm that tests it (docs/study.md, "The third round
 - none of these: it is depth (MoD's routed blocks add little to its dense layers).
 
 An arm "closes most of the gap" when it closes at least `MOST` of it on the seeds it shares with
-MoD and dense, with at least two of them: one seed decides nothing."""
+MoD and dense, with at least two of them: one seed decides nothing. That is the round's own
+reading rule, set before its runs; every statement of an arm against dense in it is a verdict of
+the verdict module (`mixture_of_depths.studies.verdict`), which the report computes and passes
+in."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from mixture_of_depths.studies.verdict import Verdict, best_of
 
 from .planning import ARMS
 
@@ -61,7 +67,15 @@ def _falls(arms: dict[str, dict[str, Any]], label: str) -> tuple[bool | None, st
     return fall >= ref / 2, text
 
 
-def _isolation(arms: dict[str, dict[str, Any]]) -> tuple[bool | None, list[str]]:
+def _against(judged: Mapping[str, Verdict], key: str) -> str:
+    """The verdict under `key` as the report words it ("" where there is none yet)."""
+    v = judged.get(key)
+    return f"; {v.text()}" if v is not None else ""
+
+
+def _isolation(
+    arms: dict[str, dict[str, Any]], judged: Mapping[str, Verdict]
+) -> tuple[bool | None, list[str]]:
     verdicts, words = [], []
     for tag in ("residual", "mlp"):
         label = _label(tag)
@@ -70,19 +84,22 @@ def _isolation(arms: dict[str, dict[str, Any]]) -> tuple[bool | None, list[str]]
         both = None if None in (closes, falls) else bool(closes and falls)
         verdicts.append(both)
         word = {True: "yes", False: "no", None: "undecided"}[both]
-        words.append(f"{label}: {word}, {c_text}; {f_text}")
+        words.append(f"{label}: {word}, {c_text}; {f_text}{_against(judged, f'{tag}-vs-dense')}")
     return _any(verdicts), words
 
 
-def _learning_rate(arms: dict[str, dict[str, Any]]) -> tuple[bool | None, list[str]]:
+def _learning_rate(
+    arms: dict[str, dict[str, Any]], judged: Mapping[str, Verdict]
+) -> tuple[bool | None, list[str]]:
     """MoD at its best rate against dense at the round's rate (the gap closed), and both at
-    their best rates against the untuned pair (whether tuning shrinks the gap)."""
+    their best rates against the untuned pair (whether tuning shrinks the gap); each best by
+    `best_of`, on the seeds every rate trained, as the report's verdicts take it."""
     mods = [a.label for a in ARMS if a.arch == "MoD" and not a.over and a.label in arms]
     denses = [a.label for a in ARMS if a.arch == "dense" and a.label in arms]
     if len(mods) < 2 or len(denses) < 2 or MOD_LABEL not in arms or DENSE_LABEL not in arms:
         return None, ["the learning-rate arms are not trained yet"]
-    best_mod = min(mods, key=lambda x: arms[x]["loss"])
-    best_dense = min(denses, key=lambda x: arms[x]["loss"])
+    best_mod = best_of([(x, arms[x]["by_seed"]) for x in mods])[0]
+    best_dense = best_of([(x, arms[x]["by_seed"]) for x in denses])[0]
     untuned = arms[MOD_LABEL]["loss"] - arms[DENSE_LABEL]["loss"]
     tuned = arms[best_mod]["loss"] - arms[best_dense]["loss"]
     closes, c_text = (
@@ -90,8 +107,9 @@ def _learning_rate(arms: dict[str, dict[str, Any]]) -> tuple[bool | None, list[s
     )
     words = [
         f"MoD at its best rate ({best_mod}): {c_text}",
-        f"each at its best rate ({best_mod} against {best_dense}): {tuned:+.4f} nats, "
-        f"against {untuned:+.4f} for round 2's untuned pair",
+        f"the gap with each at its best rate ({best_mod} against {best_dense}): "
+        f"{tuned:+.4f} nats, against {untuned:+.4f} for round 2's untuned pair"
+        + _against(judged, "mod-vs-dense-best-rates"),
     ]
     shrinks = tuned <= untuned * (1 - MOST)
     return None if closes is None else bool(closes or shrinks), words
@@ -103,25 +121,32 @@ def _any(verdicts: list[bool | None]) -> bool | None:
     return None if any(v is None for v in verdicts) else False
 
 
-def mechanism(arms: dict[str, dict[str, Any]]) -> list[str]:
+def mechanism(
+    arms: dict[str, dict[str, Any]], judged: Mapping[str, Verdict] | None = None
+) -> list[str]:
     """The report's "What the round says": each hypothesis, whether it holds by the rule above
     and the numbers behind it, then the conclusion. `arms` are the deciding table's summaries
-    (with "gap_closed", "gap_seeds" and "late_fall")."""
+    (with "gap_closed", "gap_seeds" and "late_fall"); `judged`, the report's verdicts by key
+    ("<tag>-vs-dense", "mod-vs-dense-best-rates"), quoted beside each arm."""
     if DENSE_LABEL not in arms or MOD_LABEL not in arms:
         return []
+    judged = judged or {}
     gates, gate_text = _closes(arms, _label("st"))
+    gate_text += _against(judged, "st-vs-dense")
     found = {
-        "isolation of the routed layers blocks look-back": _isolation(arms),
+        "isolation of the routed layers blocks look-back": _isolation(arms, judged),
         "the gates shut the routed blocks": (gates, [f"{_label('st')}: {gate_text}"]),
-        "tuning the learning rate closes the gap": _learning_rate(arms),
+        "tuning the learning rate closes the gap": _learning_rate(arms, judged),
     }
     lines = [
         "## What the round says",
         "",
-        f"A hypothesis holds where its arm closes at least {MOST:.0%} of round 2's gap on two "
-        "or more seeds it shares with MoD and dense (`round3.mechanism`); the look-back one "
-        f"also needs the arm's loss to keep falling past place {FAR} by at least half as much "
-        "as dense's.",
+        "By the round's own reading rule, set before its runs (`experiments/round3/"
+        f"mechanism.py`): a hypothesis holds where its arm closes at least {MOST:.0%} of round "
+        "2's gap on two or more seeds it shares with MoD and dense; the look-back one also "
+        f"needs the arm's loss to keep falling past place {FAR} by at least half as much as "
+        "dense's. The rule reads shares of the gap, not a verdict of an arm against dense: "
+        "those are quoted beside each arm.",
         "",
     ]
     for name, (verdict, words) in found.items():
@@ -134,4 +159,4 @@ def mechanism(arms: dict[str, dict[str, Any]]) -> list[str]:
         conclusion = "not decided yet: an arm that tests a hypothesis lacks its seeds"
     else:
         conclusion = "none of the three: it is depth (MoD's routed blocks add little)"
-    return [*lines, "", f"Conclusion: {conclusion}.", ""]
+    return [*lines, "", f"Conclusion, by the round's rule: {conclusion}.", ""]

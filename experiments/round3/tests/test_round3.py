@@ -10,8 +10,11 @@ import pytest
 
 from experiments.round3 import planning, running
 from experiments.round3 import report as rpt
+from experiments.round3.followup import side_of
+from experiments.round3.verdicts import Grids
 from mixture_of_depths.config import MoDConfig
 from mixture_of_depths.studies import profiles, rounds
+from mixture_of_depths.studies import verdict as vd
 
 
 def _row(spec, loss: float) -> dict:
@@ -22,6 +25,12 @@ def _built_row(spec, loss: float) -> dict:
     """A row as the runner writes it, with the model's vocabulary, so that `rounds.twin` can
     rebuild its config."""
     return {**_row(spec, loss), "model": {**spec.model, "vocab_size": 4096}, "tokens": 1}
+
+
+def _filled(spec, loss: float) -> dict:
+    """A row with what the report's run table reads."""
+    filler = {"tokens": 1, "steps": 1, "params": 1, "tokens_per_s": 1.0, "val_loss_topk": loss}
+    return {**_built_row(spec, loss), **filler}
 
 
 def test_round3_plans_each_arm_seed_by_seed_and_more_seeds_where_the_gap_closes():
@@ -138,18 +147,33 @@ def test_round3_trains_resumes_and_reports(two_arms, tmp_path, monkeypatch, caps
     assert len(running.run(out, work, quick=True, data=two_arms, progress=False)) == 2
 
 
-def test_an_arm_is_judged_against_another_only_beyond_the_larger_seed_spread():
-    def arm(losses):
-        return {"seeds": len(losses), "loss": sum(losses) / len(losses),
-                "spread": max(losses) - min(losses)}  # fmt: skip
-
-    dense = arm([2.70, 2.75])
-    assert "better beyond the seed spread" in rpt.against(arm([2.60, 2.62]), dense)
-    assert "worse beyond the seed spread" in rpt.against(arm([2.90, 2.95]), dense)
-    assert "within the seed spread" in rpt.against(arm([2.69, 2.71]), dense)
-    # a wide spread on either side swallows the same difference
-    assert "within the seed spread" in rpt.against(arm([2.40, 2.82]), dense)
-    assert "no verdict yet" in rpt.against(arm([2.10]), dense)
+def test_every_arm_against_dense_is_a_verdict_with_its_grids_open_ends(tmp_path):
+    """The report words no comparison itself: each arm against dense is `verdict.compare`, with
+    dense's best rate at the top of its rates (not bracketed) and one size tried on each side,
+    so a difference beyond the spread is still no winner."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+    by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "st": (3.07, 3.09),
+              "dense-lr1e-3": (3.18, 3.14), "dense-lr4e-3": (2.57, 2.53, 2.50)}  # fmt: skip
+    rows = [_filled(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+            for i, v in enumerate(vs)]  # fmt: skip
+    rpt.write_report(rows, tmp_path, s)
+    found = json.loads((tmp_path / "findings.json").read_text())["verdicts"]
+    st = found["st-vs-dense"]
+    assert (st["a"], st["b"], st["verdict"]) == (arm["st"].label, "dense XS", vd.UNBRACKETED)
+    assert st["paired"] == pytest.approx({"0": 0.32, "1": 0.37})
+    assert "dense XS: its best rate, 4e-3, is the highest tried (1e-3, 2e-3, 4e-3)" in st["why"]
+    assert "dense XS: one size tried (XS)" in st["caveats"]
+    text = (tmp_path / "report.md").read_text()
+    assert st["text"] in text and "beyond the seed spread" not in text
+    assert found["dense-lr4e-3-vs-dense"]["verdict"] == vd.UNBRACKETED  # not "better"
+    # a MoD rate within the spread of round 2's: within, whatever the means say
+    rows += [
+        _filled(planning.spec_of(s, arm["mod-lr4e-3"], i), x) for i, x in enumerate((3.26, 3.0))
+    ]
+    rpt.write_report(rows, tmp_path, s)
+    found = json.loads((tmp_path / "findings.json").read_text())["verdicts"]
+    assert found["mod-lr4e-3-vs-mod"]["verdict"] == vd.WITHIN
 
 
 def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp_path):
@@ -202,8 +226,8 @@ def test_a_winner_gets_its_isoflop_points_and_leading_arms_their_seeds_first(tmp
     # round 2's MoD arm is a third side: judged against dense and against the winner
     rows += [_row(joint, 3.2), _row(planning.iso_spec(s, arm["mod"], 5e13, "XS", 1), 3.25)]
     text = "\n".join(rpt.follow_up_table(rows))
-    assert "best MoD XS, round 2's arm, 5e13 FLOPs against best dense" in text
-    assert "best MoD XS, routing=mlp, 5e13 FLOPs against best MoD XS, round 2's arm" in text
+    assert "each side at its best: MoD XS, round 2's arm, 5e13 FLOPs against dense" in text
+    assert "MoD XS, routing=mlp, 5e13 FLOPs against MoD XS, round 2's arm, 5e13 FLOPs" in text
 
 
 def test_the_winners_isoflop_points_meet_dense_at_its_best_rate_once_it_has_every_seed():
@@ -234,7 +258,8 @@ def test_the_winners_isoflop_points_meet_dense_at_its_best_rate_once_it_has_ever
     rows += [_built_row(sp, 2.9) for sp in at if not rounds.twin(sp, rows)]
     text = "\n".join(rpt.follow_up_table(rows))
     assert "dense XS, lr 4e-3 |" in text
-    assert "against best dense XS, lr 4e-3:" in text
+    # (the winner at its own size is the round's arm here: no reused point was written)
+    assert f"each side at its best: {arm['mlp'].label} against dense XS, lr 4e-3:" in text
 
 
 def test_every_rate_of_a_variant_that_closes_the_gap_gets_the_deciding_seeds():
@@ -328,15 +353,23 @@ def test_an_arm_closes_the_gap_of_its_own_seeds():
     assert gap_closed({"by_seed": {0: 2.5}}, {"by_seed": {0: 2.6}}, dense) is None  # no gap
 
 
-def test_one_seed_against_two_is_told_on_the_seed_both_trained():
-    from experiments.round3.report import against
-
-    two = {"seeds": 2, "loss": 3.1, "spread": 0.2, "by_seed": {0: 3.0, 1: 3.2}}
-    one = {"seeds": 1, "loss": 2.9, "spread": 0.0, "by_seed": {0: 2.9}}
-    assert against(two, one).startswith("+0.1000 nats on seed 0 ")  # not the means' +0.2000
-    three = {"seeds": 3, "loss": 2.8, "spread": 0.3, "by_seed": {0: 2.7, 1: 2.7, 2: 3.0}}
-    # two seeds against three: the two they share (+0.4000), not the means (+0.3000)
-    assert against(two, three).startswith("+0.4000 nats on seeds 0, 1, worse beyond")
+def test_a_best_size_is_picked_on_the_seeds_every_size_trained_and_one_seed_is_a_reading():
+    """A size with one seed is not held against another's mean over three: the best is picked
+    on the seed they share (`best_of`), and their difference is a reading, not a verdict."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
+    by_tag = {"dense": (2.75, 2.72, 2.71), "mod": (3.07, 3.12, 3.09), "mlp": (2.62, 2.70, 2.52)}
+    rows = [_built_row(planning.spec_of(s, arm[t], i), v) for t, vs in by_tag.items()
+            for i, v in enumerate(vs)]  # fmt: skip
+    # XS below S's mean over three seeds (2.6133), above S's seed 0 (2.62): S stays best
+    for size, loss in (("XS", 2.65), ("M", 3.17)):
+        rows.append(_built_row(planning.iso_spec(s, arm["mlp"], s.budget, size, 0), loss))
+    verdicts: dict = {}
+    text = "\n".join(rpt.follow_up_table(rows, s, verdicts))
+    assert "its best size, S, is interior to those tried (XS, S, M), on seed 0, the one" in text
+    xs = verdicts["iso-1.5e14-mlp-xs-vs-s"]
+    assert xs.word == vd.ONE_SEED and xs.diff == pytest.approx(0.03)  # not 2.65 - 2.6133
+    assert xs.text() in text
 
 
 def test_the_gap_closed_names_the_seeds_it_stands_on(tmp_path):
@@ -362,39 +395,39 @@ def test_the_gap_closed_names_the_seeds_it_stands_on(tmp_path):
 
 def test_each_architecture_is_compared_at_its_best_learning_rate():
     """Whether round 2 compared untuned arms: the best of each architecture's learning rates
-    against the other's best, not the reference pair."""
+    (`best_of`, on the seeds every rate trained) against the other's best, not the reference
+    pair; a best at the end of the rates tried is named as not bracketed."""
+    s = planning.FULL
+    arm = {a.tag: a for a in planning.ARMS}
 
-    def arm(losses):
-        return {"seeds": len(losses), "loss": sum(losses) / len(losses),
-                "spread": max(losses) - min(losses),
-                "by_seed": dict(enumerate(losses))}  # fmt: skip
+    def said(by_tag: dict) -> tuple[list[str], dict]:
+        rows = [_built_row(planning.spec_of(s, arm[t], i), x) for t, xs in by_tag.items()
+                for i, x in enumerate(xs)]  # fmt: skip
+        verdicts: dict = {}
+        lines = rpt.learning_rates(Grids(rows, s), rpt.by_arm(rows), s, verdicts)
+        return lines, verdicts
 
-    by_tag = {a.tag: a.label for a in planning.ARMS}
-    arms = {by_tag["dense"]: arm([2.70, 2.72]), by_tag["mod"]: arm([3.10, 3.12])}
-    assert rpt.learning_rates(arms) == []  # no lr arm yet: nothing to say
-    arms[by_tag["dense-lr1e-3"]] = arm([3.20, 3.22])  # worse: dense's best stays at 2e-3
-    arms[by_tag["mod-lr4e-3"]] = arm([2.60, 2.62])
-    (line,) = rpt.learning_rates(arms)
-    assert (
-        "MoD S at its best learning rate (0.004) against dense XS at its best "
-        "(0.002): -0.1000 nats" in line
-    )
-    assert "better beyond the seed spread" in line
+    by_tag = {"dense": (2.70, 2.72), "mod": (3.10, 3.12)}
+    assert said(by_tag) == ([], {})  # no lr arm yet: nothing to say
+    by_tag |= {"dense-lr1e-3": (3.20, 3.22), "mod-lr4e-3": (2.60, 2.62)}
+    lines, verdicts = said(by_tag)
+    best = verdicts["mod-vs-dense-best-rates"]
+    assert (best.a.label, best.b.label) == ("MoD S, lr 4e-3", "dense XS")
+    assert best.diff == pytest.approx(-0.10) and best.word == vd.UNBRACKETED
+    assert "MoD S, lr 4e-3: its best rate, 4e-3, is the highest tried (2e-3, 4e-3)" in best.why
+    assert "dense XS: its best rate, 2e-3, is the highest tried (1e-3, 2e-3)" in best.why
+    assert f"- each at its best learning rate of those tried: {best.text()}" in lines
     # a variant with lr arms in the plan is held to dense's best too, even before its own run
-    arms[by_tag["mlp"]] = arm([2.66, 2.68])
-    arms[by_tag["dense-lr4e-3"]] = arm([2.50, 2.52])
-    mod, mlp = rpt.learning_rates(arms)
-    assert (
-        "MoD S at its best learning rate (0.004) against dense XS at its best "
-        "(0.004): +0.1000 nats" in mod
-    )
-    assert (
-        "MoD S, routing=mlp at the only learning rate tried yet (0.002) against dense XS "
-        "at its best (0.004): +0.1600 nats" in mlp
-    )
-    arms[by_tag["mlp-lr4e-3"]] = arm([2.40, 2.42])
-    _, mlp = rpt.learning_rates(arms)
-    assert "routing=mlp at its best learning rate (0.004)" in mlp and "-0.1000" in mlp
+    by_tag |= {"mlp": (2.66, 2.68), "dense-lr4e-3": (2.50, 2.52)}
+    _, verdicts = said(by_tag)
+    assert verdicts["mod-vs-dense-best-rates"].diff == pytest.approx(0.10)
+    mlp = verdicts["mlp-vs-dense-best-rates"]
+    assert mlp.b.label == "dense XS, lr 4e-3" and mlp.diff == pytest.approx(0.16)
+    assert "one rate tried (2e-3)" in mlp.why
+    by_tag["mlp-lr4e-3"] = (2.40, 2.42)
+    _, verdicts = said(by_tag)
+    mlp = verdicts["mlp-vs-dense-best-rates"]
+    assert mlp.a.label == "MoD S, routing=mlp, lr 4e-3" and mlp.diff == pytest.approx(-0.10)
 
 
 def test_a_reused_isoflop_point_is_judged_on_every_seed_its_arm_trained():
@@ -468,13 +501,18 @@ def test_the_round_names_isolation_only_where_an_arm_closes_the_gap_and_keeps_lo
     assert isolation[0].startswith("**isolation of the routed layers blocks look-back: undecided")
     assert ": no, closes 75% of the gap (2 seeds)" in isolation[0]
     assert "one seed decides nothing" in isolation[0] and "one seed decides nothing" in gates
-    assert "undecided" in rate and conclusion.startswith("Conclusion: not decided yet")
+    assert "undecided" in rate and conclusion.startswith(
+        "Conclusion, by the round's rule: not decided"
+    )
     looks_back = ((2.80, 2.95, 2.80), (2.82, 2.97, 2.82))  # closes 75%, falls 0.15
     *isolation, gates, rate, conclusion = _mechanism_report(
         tmp_path / "b", {"dense": dense, "mod": mod, "residual": flat_closer, "mlp": looks_back},
     )  # fmt: skip
     assert isolation[0].startswith("**isolation of the routed layers blocks look-back: holds")
-    assert conclusion == "Conclusion: isolation of the routed layers blocks look-back."
+    assert (
+        conclusion
+        == "Conclusion, by the round's rule: isolation of the routed layers blocks look-back."
+    )
 
 
 def test_the_round_says_depth_only_when_every_hypothesis_was_tested_and_failed(tmp_path):
@@ -490,20 +528,23 @@ def test_the_round_says_depth_only_when_every_hypothesis_was_tested_and_failed(t
         "dense-lr4e-3": ((2.60, 2.8, 2.6), (2.62, 2.82, 2.6)),
         "mod-lr4e-3": near_mod,
     }
-    *_, rate, conclusion = _mechanism_report(tmp_path / "a", arms)
+    *_, gates, rate, conclusion = _mechanism_report(tmp_path / "a", arms)
     assert rate.startswith("**tuning the learning rate closes the gap: does not hold")
     assert "+0.4500 nats, against +0.4000 for round 2's untuned pair" in rate  # tuning widens it
-    assert conclusion.startswith("Conclusion: none of the three: it is depth")
+    # each arm against dense, as a verdict of the verdict module, beside the rule's numbers
+    assert "MoD S, lr 4e-3 against dense XS, lr 4e-3: +0.4500 nats (seeds 0, 1: " in rate
+    assert "MoD S, straight-through gate against dense XS: +0.3500 nats (seeds 0, 1: " in gates
+    assert conclusion.startswith("Conclusion, by the round's rule: none of the three: it is depth")
     # the same, but MoD at 4e-3 closes most of round 2's gap: the learning rate holds instead
     arms["mod-lr4e-3"] = ((2.80, 3.0, 3.0), (2.82, 3.02, 3.02))
     *_, rate, conclusion = _mechanism_report(tmp_path / "b", arms)
     assert rate.startswith("**tuning the learning rate closes the gap: holds")
-    assert conclusion == "Conclusion: tuning the learning rate closes the gap."
+    assert conclusion == "Conclusion, by the round's rule: tuning the learning rate closes the gap."
 
 
 def test_an_isoflop_row_is_on_its_arms_side_whatever_its_label_says():
     """The side comes from the arm's tag in the run's name, not from the label's wording."""
-    side = {name: rpt.side_of({"name": name, "label": "MoD S, renamed"}) for name in (
+    side = {name: side_of({"name": name, "label": "MoD S, renamed"}) for name in (
         "r3-iso-5e13-mod-XS-s0", "r3-iso-5e13-mlp-XXS-s1", "r3-iso-5e13-dense-lr4e-3-XS-s1",
         "r3-1.5e14-mlp-s2", "r3-1.5e14-mod-s0", "r3-1.5e14-dense-s1")}  # fmt: skip
     assert side == {
@@ -512,7 +553,7 @@ def test_an_isoflop_row_is_on_its_arms_side_whatever_its_label_says():
         "r3-1.5e14-mod-s0": "joint", "r3-1.5e14-dense-s1": "dense",
     }  # fmt: skip
     with pytest.raises(ValueError, match="no round 3 arm has the tag 'nope'"):
-        rpt.side_of({"name": "r3-iso-5e13-nope-XS-s0"})
+        side_of({"name": "r3-iso-5e13-nope-XS-s0"})
     s = planning.FULL  # every arm read back from the names the plan gives its runs
     for arm in planning.ARMS:
         for name in (
