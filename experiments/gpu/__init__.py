@@ -2,6 +2,7 @@
 
     mod study experiments/gpu              # into experiments/gpu/, <= 8 min
     mod study experiments/gpu --quick      # --dry-run: every part on the CPU, tiny, < 60 s
+    mod study experiments/gpu --report     # the report again from plan.json and the results
     python -m experiments.gpu --minutes 6 --out /tmp/gpu    # (from the repository root)
 
 Dense XS, MoD S (round 2's arm), MoD S with residual KV and with only the MLP routed, three
@@ -25,11 +26,13 @@ process does; `running`: the processes, their timeouts, `main`; `report`: report
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from mixture_of_depths.studies.runner import Loop
+from mixture_of_depths.studies.runner import Loop, load_results
 
 from .planning import DRY, FOLDERS, FULL, Choice, GpuSettings, Timing, choose, corpus_budget, specs
+from .report import write_report
 from .running import main
 
 
@@ -39,7 +42,14 @@ def _run(out: Path, work: Path, quick: bool, data: str | None, progress: bool) -
     return main(args + ([] if data is None else ["--data", data]))
 
 
-STUDY = Loop("gpu", FOLDERS, _run)
+def _report(out: Path, quick: bool) -> None:
+    """`mod study experiments/gpu --report`: the report again from ``plan.json`` and the
+    results, training nothing."""
+    plan = json.loads((out / "plan.json").read_text())
+    write_report(load_results(out / "results.jsonl"), out, plan)
+
+
+STUDY = Loop("gpu", FOLDERS, _run, _report)
 
 __all__ = [
     "DRY",

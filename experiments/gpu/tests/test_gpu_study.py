@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 
+from experiments.gpu import STUDY, running
 from experiments.gpu import planning as gp
-from experiments.gpu import running
 from experiments.round3 import planning as r3
 from mixture_of_depths.config import MoDConfig
-from mixture_of_depths.studies.runner import budget_tag, steps_for_budget
+from mixture_of_depths.studies import verdict as vd
+from mixture_of_depths.studies.runner import budget_tag, rewrite_report, steps_for_budget
 
 CORPUS = 9_227_312  # the default corpus's BPE training tokens under Python 3.11 (docs/bench.md)
 TAGS = ("dense", "mod", "residual", "mlp", "st", "bare", "dense-lr4e-3", "mod-lr1e-3", "mod-lr4e-3")
@@ -121,6 +122,38 @@ def test_a_part_past_its_timeout_gets_a_sigterm_then_a_sigkill(tmp_path):
             "slow": [sys.executable, "-c", stubborn]}  # fmt: skip
     status = running.run_all(cmds, tmp_path, 1.5, 0.5, dict(os.environ), running.Stopped())
     assert status == {"ok": "ok", "bad": "exit 3", "slow": "timed out"}
+
+
+def test_the_report_words_every_comparison_by_the_verdict_module_and_rewrites_from_its_plan(
+    tmp_path,
+):
+    """Each arm against dense and each rate against round 2's is a verdict (the GPU's rows are
+    measured on the GPU: testable), rewritten from plan.json and the results by `--report`."""
+    runs = gp.specs(gp.FULL, 5e13, 4096)
+    base = {"dense": 2.70, "mod": 3.10, "residual": 3.00, "mlp": 2.65, "st": 3.08, "bare": 3.05,
+            "dense-lr4e-3": 2.50, "mod-lr1e-3": 3.15, "mod-lr4e-3": 3.12}  # fmt: skip
+    rows = []
+    for sp in runs:
+        loss = base[gp.tag_of(sp)] + 0.01 * sp.seed  # every arm's seeds spread 0.01-0.02
+        rows.append({**dataclasses.asdict(sp), "val_loss_causal": loss, "val_loss_topk": loss,
+                     "tokens": 1, "steps": 1, "params": 1, "tokens_per_s": 1.0,
+                     "device": "a GPU", "dtype": "bfloat16"})  # fmt: skip
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = {"data": "stdlib", "python": "3.11", "train_tokens": CORPUS, "val_tokens": 1}
+    plan = {"runs": [sp.name for sp in runs], "corpus": corpus, "device": "a GPU",
+            "limit": "time", "seq_len": 1024, "batch_size": 4, "budget": 5e13,
+            "cpu_round_epochs": 2.0}  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    rewrite_report(STUDY, tmp_path)  # `mod study experiments/gpu --report`
+    found = json.loads((tmp_path / "findings.json").read_text())["verdicts"]
+    text = (tmp_path / "report.md").read_text()
+    assert all(v["text"] in text for v in found.values())
+    mlp = found["mlp-vs-dense"]  # beyond the spread, but dense's best rate is the top tried
+    assert mlp["verdict"] == vd.UNBRACKETED and "is the highest tried (2e-3, 4e-3)" in mlp["why"]
+    assert "dense XS: one size tried (XS)" in mlp["caveats"]
+    assert found["mod-lr4e-3-vs-mod"]["verdict"] == vd.WITHIN  # +0.02, the spread
+    assert found["mod-vs-dense-best-rates"]["b"] == "dense XS, lr 4e-3"
+    assert "better" not in text and "worse" not in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the plan runs")
