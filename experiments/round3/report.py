@@ -294,6 +294,9 @@ def _reading(
         lines.append(
             f"- the routed blocks' worth, MoD S against its dense layers alone: {v.text()}"
         )
+    for a in (a for a in ARMS if "capacity" in a.over and a.label in arms):
+        v = verdicts[f"{a.tag}-vs-mod"] = compare(arm(a.label), arm(MOD_LABEL))
+        lines.append(f"- a capacity of {a.over['capacity']:.0%} against 12.5%: {v.text()}")
     return lines + _calibration(arms)
 
 
