@@ -8,13 +8,13 @@ compute-matched in causal mode (each token takes a block with probability = the 
 random routing at the aux-loss model's own measured
 per-router take-rates, the dense model of that size, and the winning learned router with a
 capacity warm-up over the first 10% of steps (its extra FLOPs charged to the budget); then the
-winner (with the warm-up where it helped), random routing and dense trained 3.3x longer, and the
-MoD model without its routed blocks (its unrouted layers alone, dense) at both budgets: does the
-routed compute do anything at this size? Every run
-logs the routing diagnostics at ten evaluations (`routing_diag` in its metrics, copied to
-``<out>/metrics/``), and its checkpoint is profiled with `inspect.analyse` before it is deleted:
-blocks taken per token, the share of takes that go to newline tokens, and Spearman's rho of
-blocks taken against the predictive entropy.
+winner (with the warm-up where its mean was lower), random routing and dense trained 3.3x
+longer, and the MoD model without its routed blocks (its unrouted layers alone, dense) at both
+budgets: does the routed compute do anything at this size? Every run logs the routing
+diagnostics at ten evaluations (`routing_diag` in its metrics, copied to ``<out>/metrics/``),
+and its checkpoint is profiled with `inspect.analyse` before it is deleted: blocks taken per
+token, the share of takes that go to newline tokens, and Spearman's rho of blocks taken against
+the predictive entropy.
 
 Phase 2, the isoFLOP grid: dense against MoD with the winning causal router (lowest mean causal
 loss over the two seeds among the learned variants), BPE tokens (vocabulary 4096, trained once
@@ -29,11 +29,13 @@ so it runs over several sessions: rerun to resume.
 
 Runs, resumption and FLOP accounting are `runner`'s: an interrupted study resumes where it
 stopped. The report is rewritten after every run; `notes.md` in the output folder, if present
-(the diagnosis in words), is included in it.
+(the diagnosis in words), is included in it, its verdict quotes filled from the results. Every
+verdict is the verdict module's (`verdicts`; README.md has the question and the answer).
 
 `planning`: the settings, the variants and the plan that follows the results; `running`: the
 resumable run, one process or several (`studies.workers`); `profiles`: what is measured of each
-trained model; `report` and `plots`: the report and its figures.
+trained model; `verdicts`: every comparison's verdict; `report` and `plots`: the report and
+its figures.
 """
 
 from __future__ import annotations

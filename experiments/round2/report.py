@@ -6,24 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mixture_of_depths.fileio import atomic_write_text
-from mixture_of_depths.studies.runner import load_results
+from mixture_of_depths.fileio import atomic_write_text, json_text
+from mixture_of_depths.studies.runner import budget_tag, load_results
+from mixture_of_depths.studies.verdict import Verdict
 
 from ..isoflop.study import findings, format_findings
 from .planning import LEARNED, MOD, Round2Settings, mean_of, mod_arm, plan, winner
 from .plots import plot_diagnosis, plot_grid
-
-EDGE = "\u2020"  # marks a best size at the edge of the sizes tried
-EDGE_VERDICT = "at the grid's edge: not a measured win"
-
-
-def _edge_verdict(b: dict[str, Any], tried: list[str]) -> str:
-    """A budget's verdict, withdrawn where the losing curve's best size is the smallest or largest
-    tried: that curve's minimum may lie beyond it and close the gap."""
-    loser = {"MoD better": b["best_dense"], "dense better": b["best_mod"]}.get(b["verdict"])
-    if loser is not None and loser["label"].split(" ", 1)[1] in (tried[0], tried[-1]):
-        return EDGE_VERDICT
-    return b["verdict"]
+from .verdicts import fill, size_verdicts, tag_of, verdicts
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -42,47 +32,62 @@ def _take_rate(r: dict[str, Any]) -> float | None:
     return sum(rates.values()) / len(rates) if rates else None
 
 
-def ablation_table(results: list[dict[str, Any]], group: str = "ablation") -> list[str]:
+def ablation_table(
+    results: list[dict[str, Any]], group: str = "ablation", found: dict[str, Verdict] | None = None
+) -> list[str]:
+    """A group's table, each variant against the reference (aux loss 0.1 for the ablations,
+    dense for the longer runs) with its verdict's word from `found`, then the verdicts' texts
+    (the reference's and the pairs the diagnosis compares)."""
     groups = _ablation_rows(results, group)
     if not groups:
         return []
     ref = dict(groups).get(LEARNED[0][0] if group == "ablation" else "dense")
     ref_loss = mean_of(ref, "val_loss_causal") if ref else None
     vs_what = "aux 0.1" if group == "ablation" else "dense"
+    prefix = "abl-" if group == "ablation" else "long-"
+    found = found or {}
     lines = [
         f"| variant | seeds | loss top-k | loss causal | seed spread | vs {vs_what} (causal) | "
-        "causal take-rate | routing acc. | tokens taking no block | newline share of takes "
-        "(their share of the text) | Spearman's rho, blocks taken vs entropy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"verdict vs {vs_what} | causal take-rate | routing acc. | tokens taking no block | "
+        "newline share of takes (their share of the text) | Spearman's rho, blocks taken vs "
+        "entropy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rows in groups:
         causal = mean_of(rows, "val_loss_causal")
         spread = max(r["val_loss_causal"] for r in rows) - min(r["val_loss_causal"] for r in rows)
         vs = "" if ref_loss is None else f"{100 * (causal - ref_loss) / ref_loss:+.2f}%"
+        word = found[key].word if (key := prefix + tag_of(rows[0])) in found else ""
         take = [t for t in map(_take_rate, rows) if t is not None]
         acc = [
             r["routing_accuracy_mean"] for r in rows if r.get("routing_accuracy_mean") is not None
         ]
-        prof = [r["profile"] for r in rows if "profile" in r]
-        none = nl = rho = ""
-        if prof:  # each seed's, "seed 0 / seed 1"
-            none = " / ".join(f"{p['depth_hist'][0] / p['tokens']:.1%}" for p in prof)
-            nl = (
-                " / ".join(
-                    f"{sum(v) / len(v):.1%}"
-                    for v in (list(p["newline_share_of_takes"].values()) for p in prof)
-                )
-                + f" ({prof[0]['newline_share_of_text']:.1%})"
-            )
-            rhos = (p["rho_depth_entropy"]["rho"] for p in prof)  # None (NaN): all took alike
-            rho = " / ".join("n/a" if v is None or v != v else f"{v:+.3f}" for v in rhos)
+        none, nl, rho = _profile_cells([r["profile"] for r in rows if "profile" in r])
         spread_text = f"{spread:.4f}" if len(rows) > 1 else "-"
         lines.append(
             f"| {label} | {len(rows)} | {mean_of(rows, 'val_loss_topk'):.4f} | {causal:.4f} | "
-            f"{spread_text} | {vs} | {f'{sum(take) / len(take):.1%}' if take else ''} | "
+            f"{spread_text} | {vs} | {word} | {f'{sum(take) / len(take):.1%}' if take else ''} | "
             f"{f'{sum(acc) / len(acc):.1%}' if acc else ''} | {none} | {nl} | {rho} |"
         )
-    return lines
+    texts = [f"- {v.text()}." for k, v in found.items() if k.startswith(prefix)]
+    return [*lines, *([""] + texts if texts else [])]
+
+
+def _profile_cells(prof: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """The routing profile's three cells, each seed's ("seed 0 / seed 1"); blank without one."""
+    if not prof:
+        return "", "", ""
+    none = " / ".join(f"{p['depth_hist'][0] / p['tokens']:.1%}" for p in prof)
+    nl = (
+        " / ".join(
+            f"{sum(v) / len(v):.1%}"
+            for v in (list(p["newline_share_of_takes"].values()) for p in prof)
+        )
+        + f" ({prof[0]['newline_share_of_text']:.1%})"
+    )
+    rhos = (p["rho_depth_entropy"]["rho"] for p in prof)  # None (NaN): all took alike
+    rho = " / ".join("n/a" if v is None or v != v else f"{v:+.3f}" for v in rhos)
+    return none, nl, rho
 
 
 def top_tokens(results: list[dict[str, Any]]) -> list[str]:
@@ -115,12 +120,15 @@ def top_tokens(results: list[dict[str, Any]]) -> list[str]:
 
 def size_for_size(rows: list[dict[str, Any]], sizes: list[str]) -> list[str]:
     """MoD against the dense model of the same size, per budget (one context's grid rows): the
-    causal loss's change and how many more steps MoD's budget buys. [] before any pair."""
+    causal loss's change, how many more steps MoD's budget buys, and the verdict's word; then
+    the verdicts' texts. [] before any pair."""
     by: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
     for r in rows:
         arch, size = r["label"].split(" ", 1)
         by.setdefault((r["budget"], arch, size), []).append(r)
     budgets = sorted({b for b, _, _ in by})
+    seq_len = rows[0]["seq_len"] if rows else 0
+    found = size_verdicts(rows, seq_len)
     body = []
     for b in budgets:
         cells = []
@@ -130,28 +138,34 @@ def size_for_size(rows: list[dict[str, Any]], sizes: list[str]) -> list[str]:
                 cells.append("")
                 continue
             m, d = mean_of(mod, "val_loss_causal"), mean_of(dense, "val_loss_causal")
-            one_seed = min(len({r["seed"] for r in mod}), len({r["seed"] for r in dense})) < 2
             steps = mean_of(mod, "steps") / mean_of(dense, "steps")
-            cells.append(f"{100 * (m - d) / d:+.1f}%{'¹' if one_seed else ''}, {steps:.2f}x")
+            word = found[f"ctx{seq_len}-{budget_tag(b)}-size-{size}"].word
+            cells.append(f"{100 * (m - d) / d:+.1f}%, {steps:.2f}x, {word}")
         if any(cells):
             body.append(f"| {b:.1e} | " + " | ".join(cells) + " |")
     if not body:
         return []
     return [
-        "Size for size: MoD's causal loss against the dense model of the same size, and the "
-        "steps MoD's budget buys against dense's (¹ one seed of at least one of the two):",
+        "Size for size: MoD's causal loss against the dense model of the same size, the steps "
+        "MoD's budget buys against dense's, and the verdict (the size is the pairing's, not a "
+        "grid's best: no edge):",
         "",
         "| budget | " + " | ".join(sizes) + " |",
         "|---|" + "---|" * len(sizes),
         *body,
+        "",
+        *(f"- {key.split('-')[1]} FLOPs: {v.text()}." for key, v in found.items()),
     ]
 
 
-def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]:
-    """The headline, one row per budget and context (the README's table); [] before any. A best
-    size at the edge of the sizes tried there is marked: its curve's minimum may lie beyond."""
-    order = [n for n, _ in s.grid.sizes]
-    lines = []
+def summary_table(
+    results: list[dict[str, Any]], s: Round2Settings, found: dict[str, Verdict] | None = None
+) -> list[str]:
+    """The headline, one row per budget and context (the README's table), each with its
+    verdict's word, then the verdicts' texts; [] before any. `found`: the round's verdicts
+    (default: computed here)."""
+    found = verdicts(results, s) if found is None else found
+    lines, texts = [], []
     for budget in s.grid.budgets:
         for seq_len, _ in s.contexts:
             rows = [
@@ -161,20 +175,17 @@ def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]
                 and r["seq_len"] == seq_len
                 and r["budget"] == budget
             ]
-            tried = sorted({r["label"].split(" ", 1)[1] for r in rows}, key=order.index)
             for b in findings(rows)["budgets"]:
-                d, m = (
-                    {**x, "label": x["label"] + EDGE * (x["label"].split(" ", 1)[1] in
-                                                        (tried[0], tried[-1]))}
-                    for x in (b["best_dense"], b["best_mod"])
-                )  # fmt: skip
+                d, m = b["best_dense"], b["best_mod"]
+                v = found[f"ctx{seq_len}-{b['verdict']}"]
                 spread = "-" if b["seed_spread"] is None else f"{b['seed_spread']:.3f}"
                 lines.append(
                     f"| {seq_len} | {budget:.1e} | {d['label']} ({d['params'] / 1e6:.2f}M): "
                     f"{d['val_loss']:.4f} | {m['label']} ({m['params'] / 1e6:.2f}M): "
                     f"{m['val_loss_causal']:.4f} ({m['val_loss_topk']:.4f}) | "
-                    f"{-100 * b['mod_gain']:+.1f}% loss | {spread} | {_edge_verdict(b, tried)} |"
+                    f"{-100 * b['mod_gain']:+.1f}% loss | {spread} | {v.word} |"
                 )
+                texts.append(f"- {seq_len} tokens, {budget:.1e} FLOPs: {v.text()}.")
     if not lines:
         return []
     return [
@@ -183,9 +194,7 @@ def summary_table(results: list[dict[str, Any]], s: Round2Settings) -> list[str]
         "|---|---|---|---|---|---|---|",
         *lines,
         "",
-        f"{EDGE} the smallest or largest size tried there (sizes run from {order[0]} to "
-        f"{order[-1]}; the grid adds the next one out while one is left): that curve's minimum "
-        "may lie beyond it, so a verdict against it is not a measured win.",
+        *texts,
     ]
 
 
@@ -232,16 +241,25 @@ def position_table(rows: list[dict[str, Any]]) -> list[str]:
 
 # -- the report ------------------------------------------------------------------------------------
 def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) -> None:
-    """``report.md`` and the figures, from the results so far (and ``notes.md``, if present)."""
+    """``report.md``, ``findings.json`` (the verdicts by key) and the figures, from the results
+    so far (and ``notes.md``, if present, its verdict quotes filled from the results)."""
+    found = verdicts(results, s)
     lines = [
-        *_intro(out),
-        *_ablation_section(results, s),
-        *_summary_section(results, s),
+        *_intro(out, {k: v.text() for k, v in found.items()}),
+        *_ablation_section(results, s, found),
+        *_summary_section(results, s, found),
         *_context_sections(results, s),
-        *_gpu_section(out),
+        *_gpu_section(out, found),
         *_progress(results, s),
     ]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    win, arm = winner(results), mod_arm(results)
+    summary = {
+        "winner": None if win is None else win[0],
+        "mod_arm": None if arm is None else arm[0],
+        "verdicts": {k: v.as_dict() for k, v in found.items()},
+    }
+    atomic_write_text(out / "findings.json", json_text(summary, indent=1) + "\n")
     try:
         plot_diagnosis(results, out)
         if any(r["group"] in ("isoflop", "seed") for r in results):
@@ -250,7 +268,7 @@ def write_report(results: list[dict[str, Any]], out: Path, s: Round2Settings) ->
         print(f"note: plots failed: {exc!r}")
 
 
-def _intro(out: Path) -> list[str]:
+def _intro(out: Path, texts: dict[str, str]) -> list[str]:
     lines = [
         "# The isoFLOP study, second round: fair baselines, BPE tokens, longer context",
         "",
@@ -259,16 +277,22 @@ def _intro(out: Path) -> list[str]:
         "Losses are validation losses in nats per token; MoD runs are judged by the causal loss "
         "(what generation gets). Each run trains for the most steps its budget buys, FLOPs from "
         "`estimate_flops` (a capacity warm-up's extra FLOPs charged). Generated by "
-        "`mod study experiments/round2`; the first round is `experiments/isoflop/report.md`.",
+        "`mod study experiments/round2`; the first round is `experiments/isoflop/report.md`. "
+        "Every verdict is `mixture_of_depths.studies.verdict`'s (findings.json has each by key): "
+        "a winner only beyond the seed spread, with both best sizes inside the sizes tried and "
+        "the baseline's learning rate bracketed, which no dense model here has (it trained at "
+        "2e-3 alone).",
         "",
     ]
     notes = out / "notes.md"
     if notes.exists():
-        lines += [notes.read_text().strip(), ""]
+        lines += [fill(notes.read_text().strip(), texts), ""]
     return lines
 
 
-def _ablation_section(results: list[dict[str, Any]], s: Round2Settings) -> list[str]:
+def _ablation_section(
+    results: list[dict[str, Any]], s: Round2Settings, found: dict[str, Verdict]
+) -> list[str]:
     """Phase 1: the ablation table, the tokens taken, the winner and the longer runs."""
     g = s.grid
     size = dict(g.sizes)[g.ablation_size]
@@ -286,7 +310,7 @@ def _ablation_section(results: list[dict[str, Any]], s: Round2Settings) -> list[
         "text, in causal mode; rho near 0 means the blocks a token takes say nothing about how "
         "unsure the model is of the next token.",
         "",
-        *ablation_table(results),
+        *ablation_table(results, "ablation", found),
         "",
         *top_tokens(results),
         "![routing during training](diagnosis.png)",
@@ -294,11 +318,17 @@ def _ablation_section(results: list[dict[str, Any]], s: Round2Settings) -> list[
     ]
     win = winner(results)
     if win is not None:
-        lines += [f"Winning causal router (lowest mean causal loss): **{win[0]}**.", ""]
+        lines += [
+            f"The grid's causal router, the learned router with the lowest mean causal loss: "
+            f"**{win[0]}**. Against the next lowest: {found['winner'].text()}.",
+            "",
+        ]
     arm = mod_arm(results)
     if arm is not None:
-        lines += [f"MoD arm of the longer runs and the grid: **{arm[0]}**.", ""]
-    longer = ablation_table(results, "longer")
+        kept = "the warm-up kept where its mean causal loss is the lower"
+        why = f" ({kept}: {found['mod-arm'].text()})" if "mod-arm" in found else ""
+        lines += [f"MoD arm of the longer runs and the grid: **{arm[0]}**{why}.", ""]
+    longer = ablation_table(results, "longer", found)
     if longer:
         lines += [
             f"### Trained longer: {s.long_budget:.1e} FLOPs, the same size",
@@ -308,11 +338,15 @@ def _ablation_section(results: list[dict[str, Any]], s: Round2Settings) -> list[
             *longer,
             "",
         ]
+    if "random-drastically-worse" in found:
+        lines += [f"The paper's claim: {found['random-drastically-worse'].text()}.", ""]
     return lines
 
 
-def _summary_section(results: list[dict[str, Any]], s: Round2Settings) -> list[str]:
-    summary = summary_table(results, s)
+def _summary_section(
+    results: list[dict[str, Any]], s: Round2Settings, found: dict[str, Verdict]
+) -> list[str]:
+    summary = summary_table(results, s, found)
     if not summary:
         return []
     return [
@@ -343,12 +377,7 @@ def _context_sections(results: list[dict[str, Any]], s: Round2Settings) -> list[
         rows = [r for r in results if r["group"] in ("isoflop", "seed") and r["seq_len"] == seq_len]
         if not rows:
             continue
-        found = findings(rows)
-        order = [n for n, _ in s.grid.sizes]
-        for b in found["budgets"]:
-            tried = {r["label"].split(" ", 1)[1] for r in rows if r["budget"] == b["budget"]}
-            b["verdict"] = _edge_verdict(b, sorted(tried, key=order.index))
-        head = format_findings(found)
+        head = format_findings(findings(rows))
         lines += [f"## isoFLOP grid, {seq_len} tokens of context (batch {batch})", ""]
         lines += [ln.replace("## Headline", "### Headline") for ln in head]
         pairs = size_for_size(rows, [n for n, _ in s.grid.sizes])
@@ -377,9 +406,9 @@ def _context_sections(results: list[dict[str, Any]], s: Round2Settings) -> list[
     return lines
 
 
-def _gpu_section(out: Path) -> list[str]:
+def _gpu_section(out: Path, found: dict[str, Verdict]) -> list[str]:
     """The round-2 GPU runs (of the script `studies.gpu` replaced), from
-    ``<out>/gpu/results.jsonl``, or why there are none."""
+    ``<out>/gpu/results.jsonl``, or why there are none; and the claim about scale."""
     gpu = out / "gpu" / "results.jsonl"
     rows = load_results(gpu) if gpu.exists() else []
     budgets = ", ".join(f"{b:.0e}" for b in sorted({r["budget"] for r in rows})) or "1e16, 3e16"
@@ -393,8 +422,10 @@ def _gpu_section(out: Path) -> list[str]:
             "tokens of the default corpus's 9.2M (BPE), many epochs of the same text. "
             "`mod study experiments/gpu` now reruns round 3's deciding arms on one "
             "GPU instead, at most one epoch each, into `experiments/gpu/` (docs/bench.md, "
-            f"GPU); rows found in `{out.as_posix()}/gpu/results.jsonl` would be shown here."
+            "GPU); rows found in `gpu/results.jsonl` beside this report would be shown here."
         )
+    if "advantage-grows-with-scale" in found:
+        lines += ["", f"Scale: {found['advantage-grows-with-scale'].text()}."]
     return lines
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import threading
 import time
 import zlib
@@ -14,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.round2 import planning, running
+from experiments.round2 import planning, running, verdicts
 from experiments.round2 import report as rpt
 from mixture_of_depths import MoDConfig, MoDTransformer
 from mixture_of_depths.data import corpus_files, make_tokenizer, split_files
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.studies import rounds
-from mixture_of_depths.studies.runner import RunSpec, load_results, steps_for_budget
+from mixture_of_depths.studies import rounds, runner, verdict
+from mixture_of_depths.studies.runner import RunSpec, budget_tag, load_results, steps_for_budget
 from mixture_of_depths.train.tune import capacity_at
 
 HERE = Path(__file__).resolve().parent
@@ -61,7 +62,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path):
         running, "QUICK", dataclasses.replace(q, grid=grid, contexts=q.contexts[:1])
     )
     learned = planning.LEARNED[:1] + planning.LEARNED[3:4]  # aux 0.1, predictor
-    for module in (planning, rpt):  # the plan's variants; the report's reference row
+    for module in (planning, rpt, verdicts):  # the plan's variants; the reports' reference row
         monkeypatch.setattr(module, "LEARNED", learned)
     return str(data)
 
@@ -177,7 +178,11 @@ def _check_what_each_run_kept(results: list[dict], by: dict[str, dict], out) -> 
 
 def _check_the_report(results: list[dict], out) -> None:
     report = (out / "report.md").read_text()
-    assert "## Routing ablations" in report and "Winning causal router" in report
+    assert "## Routing ablations" in report and "The grid's causal router" in report
+    # every verdict of the round is in its report, each in the words of the verdict module
+    found = json.loads((out / "findings.json").read_text())["verdicts"]
+    assert "winner" in found and "mod-arm" in found and "advantage-grows-with-scale" in found
+    assert all(v["text"] in report and v["verdict"] in verdict.WORDS for v in found.values())
     assert "isoFLOP grid" in report and "Not run, and withdrawn" in report  # the GPU section
     assert "| budget | places | best dense | best MoD | MoD vs dense |" in report
     # the summary has a row per budget and context of the grid, the findings' numbers
@@ -243,11 +248,14 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
     while pending := [sp for sp in planning.plan(planning.FULL, results)
                       if sp.name not in {r["name"] for r in results}]:  # fmt: skip
         sp = pending[0]
-        stats = dict(params=1, flops_per_forward_token=1.0, tokens_per_s=1.0,
+        size = sp.label.split(" ")[-1]  # parameters grow with the size, as they do
+        stats = dict(params=names.index(size) + 1 if size in names else 1,
+                     flops_per_forward_token=1.0, tokens_per_s=1.0,
                      routing_accuracy_mean=None)  # fmt: skip
         results.append({**dataclasses.asdict(sp), "val_loss_causal": loss(sp),
                         "val_loss_topk": loss(sp), "causal_take_rate": {"1": 0.1, "3": 0.12},
                         **stats})  # fmt: skip
+    found = verdicts.verdicts(results, planning.FULL)
     for budget in planning.FULL.grid.budgets:
         for seq_len, _ in planning.FULL.contexts:
             tried = {}
@@ -262,11 +270,11 @@ def test_the_grid_brackets_each_architectures_best_size(optimum):
                     model={})))  # fmt: skip
                 assert best - 1 in idx or best == 0
                 assert best + 1 in idx or best == len(names) - 1
-                # the summary marks a best size only where it is the first or last there is
+                # the verdict names an edge only where the best is the first or last there is
                 edge = best in (0, len(names) - 1)
-                row = [ln for ln in rpt.summary_table(results, planning.FULL)
-                       if ln.startswith(f"| {seq_len} | {budget:.1e} |")]  # fmt: skip
-                assert len(row) == 1 and (f"{arch} {names[best]}{rpt.EDGE} (" in row[0]) == edge
+                v = found[f"ctx{seq_len}-mod-vs-dense-{budget_tag(budget)}"]
+                arm = v.a if arch == "MoD" else v.b
+                assert arm.label == f"{arch} {names[best]}" and (arm.edge is not None) == edge
                 # second seeds: the best two of the final curve, and only those
                 first = {names[i]: loss(RunSpec(name="", group="isoflop", label=f"{arch} "
                          f"{names[i]}", budget=budget, model={})) for i in idx}  # fmt: skip
@@ -303,9 +311,14 @@ def test_bracketing_follows_the_seeds_mean_as_the_summary_does():
     # a second seed moves dense's mean best to S, the smallest tried: XS goes in
     seeded = [*rows, _row("dense", "S", 1, 3.60), _row("dense", "M", 1, 3.75)]
     assert planning._bracket(seeded, tried, names) == {"XS"}
-    # and the summary marks that best size (an edge of those tried, not of all sizes)
+    # and the summary's verdict names that best size's edge (of those tried, not of all sizes)
+    seeded.append(_row("MoD", "M", 1, 3.52))
     (line,) = [ln for ln in rpt.summary_table(seeded, planning.FULL) if ln.startswith("| 256 |")]
-    assert f"dense S{rpt.EDGE} (" in line and "MoD M (" in line
+    assert "dense S (" in line and "MoD M (" in line
+    assert line.endswith(f"| {verdict.UNBRACKETED} |")  # beyond the spread: dense's one rate
+    v = verdicts.verdicts(seeded, planning.FULL)["ctx256-mod-vs-dense-5e13"]
+    assert v.b.edge == "its best size, S, is the smallest tried (S, M, L)" and v.a.edge is None
+    assert f"dense S: {v.b.edge}" in v.caveats
 
 
 def test_size_for_size_pairs_each_size_mean_against_mean():
@@ -318,10 +331,14 @@ def test_size_for_size_pairs_each_size_mean_against_mean():
     table = rpt.size_for_size(rows, names)
     (line,) = [ln for ln in table if ln.startswith("| 5.0e+13 |")]
     cells = dict(zip(names, (c.strip() for c in line.split("|")[2:-1]), strict=True))
-    # S: means 3.15 against 3.5, both seeded; M: one seed each; L: no dense twin, no cell
-    assert cells["S"] == "-10.0%, 1.50x"
-    assert cells["M"] == "-25.0%¹, 1.50x"
+    # S: means 3.15 against 3.5, both seeded (pairs -0.8, +0.1: within dense's range of 1.0);
+    # M: one seed each; L: no dense twin, no cell
+    assert cells["S"] == f"-10.0%, 1.50x, {verdict.WITHIN}"
+    assert cells["M"] == f"-25.0%, 1.50x, {verdict.ONE_SEED}"
     assert cells["L"] == cells["XS"] == ""
+    assert "- 5e13 FLOPs: MoD S against dense S: -0.3500 nats (seeds 0, 1: -0.800, +0.100)" in (
+        "\n".join(table)
+    )
     assert rpt.size_for_size([], names) == []
 
 
@@ -543,3 +560,45 @@ def test_a_claim_survives_the_claims_folder_vanishing_under_it(tmp_path, monkeyp
     lock = rounds.claim(tmp_path / ".claims", "results")
     assert lock is not None and not fails and (tmp_path / ".claims" / "results.lock").exists()
     lock.release()
+
+
+def test_the_committed_report_is_the_one_its_results_make(tmp_path, monkeypatch):
+    """report.md and findings.json rewritten from the committed results.jsonl and notes.md, byte
+    for byte (the figures are left out: they are slow, and no verdict is in them); and the
+    quotes in notes.md are the verdicts the results make."""
+    monkeypatch.setattr(rpt, "plot_diagnosis", lambda results, out: None)
+    monkeypatch.setattr(rpt, "plot_grid", lambda results, out, contexts: None)
+    for name in ("results.jsonl", "notes.md"):
+        shutil.copy(HERE.parent / name, tmp_path / name)
+    runner.rewrite_report(running.ROUND2, tmp_path)
+    for name in ("report.md", "findings.json"):
+        assert (tmp_path / name).read_bytes() == (HERE.parent / name).read_bytes(), name
+    found = json.loads((HERE.parent / "findings.json").read_text())["verdicts"]
+    notes = (HERE.parent / "notes.md").read_text()
+    assert verdicts.fill(notes, {k: v["text"] for k, v in found.items()}) == notes
+    with pytest.raises(KeyError, match="round2:no-such-key"):
+        verdicts.fill("<!-- verdict round2:no-such-key --><!-- /verdict -->", {})
+
+
+def test_the_round_2_verdicts_say_no_more_than_the_data():
+    """Issue 52's readings of round 2: the 1024-token "MoD better" at 5e13 stands against dense
+    at one learning rate; at 1.5e13 both best sizes are the smallest tried; the trend past the
+    largest budget is not testable here; learned against random routing is no winner."""
+    v = json.loads((HERE.parent / "findings.json").read_text())["verdicts"]
+    rate = "one learning rate tried, 2e-3"
+    at_5e13 = v["ctx1024-mod-vs-dense-5e13"]
+    assert at_5e13["verdict"] == verdict.UNBRACKETED and rate in at_5e13["why"]
+    assert at_5e13["diff"] < -at_5e13["spread"]  # the gap itself is beyond the spread
+    at_edge = v["ctx1024-mod-vs-dense-1.5e13"]
+    assert at_edge["verdict"] == verdict.UNBRACKETED
+    assert sum("XXXS, is the smallest tried" in c for c in at_edge["caveats"]) == 2
+    for key in ("ctx1024-mod-vs-dense-1.5e14", "ctx256-mod-vs-dense-5e13"):
+        assert v[key]["verdict"] == verdict.UNBRACKETED, key
+    assert v["ctx256-mod-vs-dense-1.5e13"]["verdict"] == verdict.WITHIN
+    assert v["advantage-grows-with-scale"]["verdict"] == verdict.UNTESTABLE
+    assert v["random-drastically-worse"]["verdict"] == verdict.UNTESTABLE
+    assert v["abl-pred-warm-vs-rand"]["verdict"] == verdict.EDGE  # one size tried
+    assert v["long-pred-warm-vs-rand"]["verdict"] == verdict.WITHIN
+    assert v["mod-arm"]["verdict"] == verdict.WITHIN
+    words = {d["verdict"] for d in v.values()}
+    assert verdict.BETTER not in words and verdict.WORSE not in words
