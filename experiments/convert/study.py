@@ -40,11 +40,12 @@ from mixture_of_depths.config import MoDConfig
 from mixture_of_depths.convert import convert_folder
 from mixture_of_depths.fileio import atomic_write_text, json_text
 from mixture_of_depths.runtime.checkpoint import load_config, resolve_checkpoint
-from mixture_of_depths.studies.measure import decode_speeds
 from mixture_of_depths.studies.plots import pyplot
 from mixture_of_depths.studies.runner import Folders, load_results
 from mixture_of_depths.studies.verdict import Arm, Verdict, compare
 from mixture_of_depths.train import TrainConfig, evaluate_checkpoint, has_checkpoint, train
+
+from ..common.measure import decode_speeds
 
 CAPACITIES = (0.5, 0.25, 0.125)
 VARIANTS = ("converted", "routers", "routers+distill", "full")

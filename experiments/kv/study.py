@@ -14,8 +14,8 @@ and each strategy at its best capacity.
 Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, which charges
 "residual" its skippers' K/V projections and its routed queries' attention over every key). After
 training, each model is measured with nothing else of the study running (`measure`, with the
-shared `studies.measure`): the KV bytes per token its cache held (bf16), the prefill calibration
-of `generate.prefill_calibration` (teacher-forced loss after a causal against a top-k prefill of
+shared `experiments.common.measure`): the KV bytes per token its cache held (bf16), the
+prefill calibration of `generate.prefill_calibration` (teacher-forced loss after a causal against a top-k prefill of
 half the sequence, and the share of prompt decisions that differ), and decode tokens/s at batch
 1 and 8, the models of each budget and length side by side (`measure.decode_speeds`: one thread,
 a prompt of half the sequence, 128 greedy tokens, the median of 15 interleaved rounds).
@@ -31,8 +31,6 @@ from mixture_of_depths.config import MoDConfig
 from mixture_of_depths.fileio import atomic_write_text, json_text
 from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.runtime.checkpoint import resolve_checkpoint
-from mixture_of_depths.studies.measure import decode_speeds, measure_run
-from mixture_of_depths.studies.plots import plot_vs_dense
 from mixture_of_depths.studies.runner import (
     AUX_ROUTING,
     Folders,
@@ -47,6 +45,9 @@ from mixture_of_depths.studies.runner import (
 )
 from mixture_of_depths.studies.verdict import Arm, Verdict, best_of, compare
 from mixture_of_depths.train import CHECKPOINT_NAME, has_checkpoint
+
+from ..common.measure import decode_speeds, measure_run
+from ..common.plots import plot_vs_dense
 
 SEQ_LENS: tuple[tuple[int, int], ...] = ((256, 16), (1024, 4))  # (length, batch): 4096 tokens
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from mixture_of_depths.fileio import atomic_write_text, json_text
-from mixture_of_depths.studies.plots import plot_vs_dense
 from mixture_of_depths.studies.runner import (
     AUX_ROUTING,
     Folders,
@@ -39,6 +38,8 @@ from mixture_of_depths.studies.runner import (
     seed_gaps,
 )
 from mixture_of_depths.studies.verdict import Arm, best_of, compare
+
+from ..common.plots import plot_vs_dense
 
 EXPERTS = dict(n_experts=4, experts_per_token=1)
 ARCHS: tuple[tuple[str, str, dict[str, Any]], ...] = (  # (label, name tag, MoDConfig overrides)

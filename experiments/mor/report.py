@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from mixture_of_depths.fileio import atomic_write_text, json_text
-from mixture_of_depths.studies.measure import BUSY_WARN
 from mixture_of_depths.studies.plots import pyplot
 from mixture_of_depths.studies.runner import StudySettings, budget_tag
 from mixture_of_depths.studies.verdict import Arm, Verdict, best_of, compare
 
+from ..common.measure import BUSY_WARN
 from .study import ARMS, cells, decode_rows, size_of
 
 # TrainConfig's peak learning rate when these runs trained (their rows name none: the default),

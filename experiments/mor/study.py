@@ -30,7 +30,6 @@ from mixture_of_depths.config import MoDConfig
 from mixture_of_depths.fileio import atomic_write_text, json_text
 from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.runtime.checkpoint import resolve_checkpoint
-from mixture_of_depths.studies.measure import decode_speeds
 from mixture_of_depths.studies.runner import (
     Folders,
     Plan,
@@ -42,6 +41,8 @@ from mixture_of_depths.studies.runner import (
     second_seed,
 )
 from mixture_of_depths.train import CHECKPOINT_NAME, has_checkpoint
+
+from ..common.measure import decode_speeds
 
 RECURSIVE = dict(layer_pattern="D", n_layers=4, recursions=3)
 MOR = dict(RECURSIVE, recursion_capacities=(0.25, 0.125))

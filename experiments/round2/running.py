@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from mixture_of_depths.studies import rounds
-from mixture_of_depths.studies.profiles import position_profile, routing_profile
+from mixture_of_depths.studies.profiles import position_profile
 from mixture_of_depths.studies.runner import RunSpec
 
 from .planning import FOLDERS, FULL, QUICK, Round2Settings, plan
+from .profiles import routing_profile
 from .report import write_report
 
 

@@ -4,7 +4,7 @@ DIR: the kept checkpoints, ``<work>-kept``).
 
 - ``probes.jsonl``: the look-back probes (`lookback`) of every kept checkpoint.
 - ``decode.jsonl``: each MoD family's best model (seed 0) decoded beside dense's best
-  (`mixture_of_depths.studies.measure.decode_speeds`: CPU, one thread, interleaved rounds, the
+  (`experiments.common.measure.decode_speeds`: CPU, one thread, interleaved rounds, the
   median; batch 1 and 8) and the KV bytes per token its cache held.
 
 Both are resumable (a finished row is kept) and rewrite the report at the end.
@@ -19,9 +19,9 @@ from typing import Any
 
 from mixture_of_depths.fileio import json_text
 from mixture_of_depths.runtime.checkpoint import load_model
-from mixture_of_depths.studies import measure
 from mixture_of_depths.studies.runner import load_results
 
+from ..common import measure
 from . import STUDY, lookback
 
 HERE = Path(__file__).resolve().parent

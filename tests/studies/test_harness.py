@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mixture_of_depths import MoDConfig
-from mixture_of_depths.studies import measure, profiles, runner
+from mixture_of_depths.studies import profiles, runner
 
 
 def test_rows_written_before_the_predictor_default_rebuild_as_they_trained(tmp_path):
@@ -27,21 +27,6 @@ def test_rows_written_before_the_predictor_default_rebuild_as_they_trained(tmp_p
     assert MoDConfig(**got["old"]["model"]).aux_loss_weight == 0.1
     assert got["pred"]["model"] == rows[1]["model"] and got["aux"]["model"] == rows[2]["model"]
     assert got["log"] == rows[3]
-
-
-@pytest.mark.parametrize("busy, warned", [(0.5, True), (0.05, False)])
-def test_a_decode_timing_records_and_flags_the_load_other_processes_put_on_the_cpus(
-    finished_run, monkeypatch: pytest.MonkeyPatch, capsys, busy: float, warned: bool
-):
-    corpus, run = finished_run
-    monkeypatch.setattr(measure, "DECODE_ROUNDS", 1)
-    monkeypatch.setattr(measure, "DECODE_NEW", 2)
-    # /proc/stat before and after: 10 CPU-seconds pass, this process uses 1 of them
-    snaps = iter([(0.0, 0.0, 0.0), (10.0, 1.0 + 10 * busy, 1.0)])
-    monkeypatch.setattr(measure, "cpu_snapshot", lambda: next(snaps))
-    speeds = measure.decode_speeds({"a": run / "checkpoint"}, 16, str(corpus))
-    assert speeds["a"]["others_busy"] == pytest.approx(busy)
-    assert ("skewed" in capsys.readouterr().out) is warned
 
 
 @pytest.mark.parametrize("layer_pattern", ["DR", "D"])

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments.common import measure
 from experiments.convert import STUDY
 from experiments.convert import study as convert
-from mixture_of_depths.studies import measure, runner, verdict
+from mixture_of_depths.studies import runner, verdict
 
 FOLDER = Path(convert.__file__).parent  # the committed results, report and findings
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from experiments.common import measure
 from experiments.kv import study as kv
 from mixture_of_depths import MoDConfig
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.studies import measure, runner, verdict
+from mixture_of_depths.studies import runner, verdict
 
 FOLDER = Path(kv.__file__).parent  # the committed results, measurements, report and findings
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from experiments.common import measure
 from experiments.mor import report
 from experiments.mor import study as mor
 from mixture_of_depths import MoDConfig
 from mixture_of_depths.flops import estimate_flops
-from mixture_of_depths.studies import measure, runner, verdict
+from mixture_of_depths.studies import runner, verdict
 
 FOLDER = Path(mor.__file__).parent  # the committed results, report and findings
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from ..bench.common import cpu_snapshot, others_busy
-from ..bench.decode import decode_run
-from ..data import eval_batches, load_splits, load_tokenizer
-from ..generate import prefill_calibration
-from ..runtime.checkpoint import load_model
+from mixture_of_depths.bench.common import cpu_snapshot, others_busy
+from mixture_of_depths.bench.decode import decode_run
+from mixture_of_depths.data import eval_batches, load_splits, load_tokenizer
+from mixture_of_depths.generate import prefill_calibration
+from mixture_of_depths.runtime.checkpoint import load_model
 
 DECODE_NEW = 128
 DECODE_BATCHES = (1, 8)
