@@ -47,8 +47,8 @@ def decode_all(kept: Path, out: Path, data: str | None) -> None:
     path = out / "decode.jsonl"
     if load_results(path):
         return
-    best: dict[str, str] = json.loads((out / "findings.json").read_text())["best_runs"]
-    ckpts = {fam: kept / name for fam, name in best.items() if (kept / name).exists()}
+    best: dict[str, str | None] = json.loads((out / "findings.json").read_text())["best_runs"]
+    ckpts = {fam: kept / n for fam, n in best.items() if n is not None and (kept / n).exists()}
     missing = sorted(set(best) - set(ckpts))
     if missing or "dense" not in ckpts:
         raise SystemExit(f"no kept checkpoint for {missing}: train (or rerun) them first")

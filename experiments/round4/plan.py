@@ -237,10 +237,24 @@ MLP_RATES: tuple[Arm, ...] = (
     Arm("mlp", "S", 2e-3), Arm("mlp", "S", 3e-3), Arm("mlp", "S", 4e-3),
     Arm("mlp", "S", 4e-3, lr_warmup=0.1),
 )  # fmt: skip
-# Round 3's models rerun (seed 0) for the look-back probe and decode timings: their
-# checkpoints were not kept between sessions.
-RERUNS: tuple[Arm, ...] = (DENSE_XS, Arm("mlp", "S", 2e-3), Arm("joint", "S", 2e-3),
-                           Arm("dense", "XS", 2e-3))  # fmt: skip
+# Round 3's models trained again, seed 0, for the look-back probe and decode timings (their
+# checkpoints were not kept between sessions): the deciding arms, and the two that test round
+# 3's mechanism (takers reading every key; the dense layers alone). Each is round 3's own run
+# (`RunSpec.from_row`), so its loss must come out as round 3's did.
+RERUNS: tuple[str, ...] = (
+    "r3-1.5e14-dense-lr4e-3-s0", "r3-1.5e14-mlp-s0", "r3-1.5e14-mod-s0", "r3-1.5e14-dense-s0",
+    "r3-1.5e14-residual-s0", "r3-1.5e14-bare-s0",
+)  # fmt: skip
+
+
+def rerun_specs(s: Settings) -> list[RunSpec]:
+    """`RERUNS` as runs of this round (group "rerun", named "r4-rerun-..."), where the anchors
+    hold them."""
+    rows = {r["name"]: r for r in anchors(s)}
+    return [
+        replace(RunSpec.from_row(rows[n]), name="r4-rerun-" + n.removeprefix("r3-"), group="rerun")
+        for n in RERUNS if n in rows
+    ]  # fmt: skip
 
 
 def best_arm(rows: list[dict[str, Any]], arms: list[Arm], min_seeds: int = 2) -> Arm | None:
@@ -324,7 +338,7 @@ def plan(s: Settings, results: list[dict[str, Any]]) -> list[RunSpec]:
     specs += third_seeds(s, rows, best)
     anchored = {(arm_key(r), r["seed"]) for r in anchors(s)}
     specs = [sp for sp in specs if (arm_key(dataclasses.asdict(sp)), sp.seed) not in anchored]
-    specs += [spec_of(s, a, 0, group="rerun") for a in RERUNS]
+    specs += rerun_specs(s)
     return unique(specs)
 
 

@@ -61,6 +61,13 @@ def optimum(rows: list[dict[str, Any]], family: str, size: str) -> tuple[p.Arm, 
     return best, Arm(where, p.seeds_of(rows, best), edge=edge, unbracketed=open_rate)
 
 
+def kept_run(rows: list[dict[str, Any]], arm: p.Arm) -> str | None:
+    """The run of this round whose model is `arm`'s seed 0 (kept for the probes and decode
+    timings: its own run, or a rerun of round 3's), None while there is none."""
+    return next((r["name"] for r in rows if r["name"].startswith("r4-") and r["seed"] == 0
+                 and p.arm_key(r) == arm), None)  # fmt: skip
+
+
 def cost(rows: list[dict[str, Any]], arm: p.Arm, s: p.Settings) -> dict[str, float]:
     """Forward FLOPs per token in training's top-k routing (a training step spends three
     times that) and KV bytes per token of context (bf16) of `arm`'s model (as its rows built
@@ -115,7 +122,8 @@ def deciding(rows: list[dict[str, Any]], s: p.Settings, out: Path) -> tuple[list
     costs = {"dense": cost(rows, dense_arm, s)}
     decode = measured(out, "decode.jsonl")
     lines = [
-        f"Dense's optimum: {dense.label} ({len(dense.seeds)} seeds, mean {dense.mean:.4f}); "
+        f"Dense's optimum: {dense.label} ({len(dense.seeds)} seed"
+        f"{'' if len(dense.seeds) == 1 else 's'}, mean {dense.mean:.4f}); "
         f"rate: {dense.unbracketed or 'interior'}; size: {dense.edge or 'interior'}.",
         "",
         "| family at its best | seeds | causal loss (each seed) | mean | against dense | "
@@ -123,7 +131,7 @@ def deciding(rows: list[dict[str, Any]], s: p.Settings, out: Path) -> tuple[list
         "|---|---|---|---|---|---|---|---|",
     ]
     verdicts: dict[str, Verdict] = {}
-    best_arms: dict[str, str] = {"dense": f"r4-{dense_arm.tag}-s0"}
+    best_arms: dict[str, str | None] = {"dense": kept_run(rows, dense_arm)}
     for family in MOD_FAMILIES:
         found = optimum(rows, family, "S")
         if found is None:
@@ -132,7 +140,7 @@ def deciding(rows: list[dict[str, Any]], s: p.Settings, out: Path) -> tuple[list
         v = compare(a, dense)
         verdicts[family] = v
         costs[family] = cost(rows, arm, s)
-        best_arms[family] = f"r4-{arm.tag}-s0"
+        best_arms[family] = kept_run(rows, arm)
         speeds = decode.get(family, {})
         dec = f"{speeds['speedup_b1']:.2f} / {speeds['speedup_b8']:.2f}" if speeds else ""
         lines.append(
@@ -206,6 +214,19 @@ def probe_table(out: Path) -> list[str]:
     return lines
 
 
+def rerun_table(results: list[dict[str, Any]], s: p.Settings) -> list[str]:
+    """Round 3's runs trained again (the same spec, seed 0) beside round 3's own loss: a run on
+    the CPU reproduces, so a difference says the code changed what it trains."""
+    old = {r["name"]: r for r in p.anchors(s)}
+    lines = ["| run | round 3's causal loss | again | difference |", "|---|---|---|---|"]
+    for r in (r for r in results if r.get("group") == "rerun"):
+        before = old.get("r3-" + r["name"].removeprefix("r4-rerun-"))
+        if before is not None:
+            a, b = before["val_loss_causal"], r["val_loss_causal"]
+            lines.append(f"| {r['name']} | {a:.4f} | {b:.4f} | {b - a:+.4f} |")
+    return lines if len(lines) > 2 else ["None trained yet."]
+
+
 def run_table(results: list[dict[str, Any]]) -> list[str]:
     lines = ["| run | causal loss | steps | tokens | minutes |", "|---|---|---|---|---|"]
     for r in results:
@@ -242,6 +263,10 @@ def write_report(results: list[dict[str, Any]], out: Path, s: p.Settings) -> Non
         "pair recalled d places later (loss against a control that never saw the value).",
         "",
         *probe_table(out),
+        "",
+        "## Round 3's runs again",
+        "",
+        *rerun_table(results, s),
         "",
         "## Every arm",
         "",

@@ -44,8 +44,17 @@ def test_the_plan_starts_with_the_first_seeds_and_never_retrains_an_anchor():
     assert first[10:13] == [f"r4-{a.tag}-s2" for a in p.TUNED]
     # round 3's reruns come last (an idle worker's), seed 0, and the only anchors trained again
     reruns = [sp for sp in p.plan(S, []) if sp.group == "rerun"]
-    assert [sp.name for sp in reruns] == [f"r4-{a.tag}-s0" for a in p.RERUNS]
+    assert [sp.name for sp in reruns] == ["r4-rerun-" + n[3:] for n in p.RERUNS]
     assert first[-len(reruns) :] == [sp.name for sp in reruns]
+    anchors = {r["name"]: r for r in p.anchors(S)}
+    for sp, name in zip(reruns, p.RERUNS, strict=True):  # round 3's very run, seed 0
+        old = anchors[name]
+        assert sp.seed == 0 and sp.model == old["model"] and sp.lr == old["lr"]
+        assert (sp.budget, sp.capacity_warmup, sp.seq_len) == (
+            old["budget"],
+            old["capacity_warmup"],
+            old["seq_len"],
+        )
     assert "r4-dense-XS-lr4e-3-s1" not in first  # round 3 trained it
 
 
