@@ -31,6 +31,10 @@ from .precision import at_least_float32
 from .routing import Route
 
 PREFILL_MODES = ("causal", "topk")
+# Temperatures below this are greedy, as in vLLM: `logits / t` overflows float32 below ~1e-38
+# (NaN probabilities), and long before that a draw differs from the argmax only between
+# near-tied logits (docs/serving.md).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -119,8 +123,9 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Next token per row from logits (n, vocab): greedy at temperature 0, else top-k/top-p."""
-    if temperature == 0:
+    """Next token per row from logits (n, vocab): greedy at a temperature below `GREEDY_BELOW`
+    (0 included), else top-k/top-p."""
+    if temperature < GREEDY_BELOW:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
@@ -292,7 +297,8 @@ def generate(
     """Sample `max_new_tokens` per row (fewer where a row samples `eos_id`), causally, with a KV
     cache that holds only the tokens that took each layer.
 
-    `prompts`: a (B, T) tensor or a list of token lists of any lengths. `temperature=0` is greedy.
+    `prompts`: a (B, T) tensor or a list of token lists of any lengths. `temperature=0` (or any
+    below `GREEDY_BELOW`) is greedy.
     `seed` makes sampling reproducible. `prefill`: "causal" (exact: the decisions decoding would
     make) or "topk" (the paper's top-k over the prompt; an approximation). Prompt length plus
     `max_new_tokens` must fit in the model's `max_seq_len`, else ValueError (nothing is truncated).

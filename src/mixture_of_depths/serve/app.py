@@ -123,7 +123,7 @@ def _error_handlers(app: FastAPI, st: ServeState) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error serving %s %s", request.method, request.url.path)
-        msg = f"internal error: {type(exc).__name__}: {exc}"
+        msg = f"internal error ({type(exc).__name__}): see the server's log"
         return reply(APIError(500, msg, kind="server_error", code="internal_error"))
 
 
@@ -190,10 +190,13 @@ async def _submit(engine: Any, sub: Submission) -> Any:
         raise APIError(503, msg, None, "shutting_down", "server_error") from None
 
 
-def _failed(reason: str) -> APIError:
-    """A request the engine ended without an answer: cancelled (shutting down) or a failed step."""
+def _failed(reason: str, error: Exception | None = None) -> APIError:
+    """A request the engine ended without an answer: cancelled (shutting down), or failed
+    computing it (400 where its input was at fault, else 500: that request's alone)."""
+    if isinstance(error, RequestError):
+        return APIError(400, str(error), error.param, "invalid_value")
     if reason == "error":
-        msg = "the engine failed while running this request (see the server's log)"
+        msg = "the engine failed while computing this request (see the server's log)"
         return APIError(500, msg, None, "engine_error", "server_error")
     return _cancelled()
 
@@ -251,7 +254,7 @@ async def _whole(
         return Response(status_code=CLIENT_CLOSED)
     text, ids, final = collector.result()
     if final is None or final.finish_reason in ("cancelled", "error"):
-        raise _failed(final.finish_reason if final is not None else "cancelled")
+        raise _failed(*((final.finish_reason, final.error) if final else ("cancelled",)))
     if sub.echo_text is not None:
         text = sub.echo_text + text
     use = usage(final.prompt_tokens or len(sub.prompt_ids), final.completion_tokens)
@@ -281,7 +284,7 @@ async def _sse(
                 continue
             finished = True
             if ev.finish_reason in ("cancelled", "error"):
-                yield _data(_failed(ev.finish_reason).body())
+                yield _data(_failed(ev.finish_reason, ev.error).body())
                 break
             extra = _ids(sub, ids, prompt=False)
             last = completion_body(cid, created, model, ev.text, ev.finish_reason, None, extra)

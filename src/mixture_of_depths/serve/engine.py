@@ -7,7 +7,8 @@ of its prompt), runs the model's own forward over the paged cache (paged.py): ne
 chunks as one right-padded causal prefill, the other rows' tokens as one forward of entries, where
 each routed layer runs only on the entries whose token takes it, samples each row that has
 fed all it holds with its own settings and its own `torch.Generator`, emits the events, and drops
-finished and cancelled rows, freeing their pages at once. Admission and preemption: see
+finished and cancelled rows, freeing their pages at once. An error computing one row fails that
+request alone (`_step`). Admission and preemption: see
 scheduler.py's docstring (admit on the prompt's pages, preempt by recompute when the pool runs
 dry). `batching="static"` is the baseline: a batch starts only when the last one has finished.
 
@@ -264,20 +265,46 @@ class Engine:
                     break
         self._cancels.clear()
 
-    def _end(self, row: Row, reason: str) -> None:
+    def _end(self, row: Row, reason: str, error: Exception | None = None) -> None:
         """Drop the row (its pages freed now) and send the finish event."""
         self.sched.remove(row)
         request = row.request
         elapsed = time.monotonic() - request.submitted
         self._request_s = 0.9 * self._request_s + 0.1 * elapsed
-        request.finish(reason)
+        request.finish(reason, error)
 
     def _step(self, plan: list[tuple[Row, int]]) -> None:
+        """The plan's forward, then each row's sampling and events. One row's failure fails its
+        request alone (docs/serving.md, "Faults"): a failed forward is undone and its rows run
+        one by one, so that only a row whose own forward fails ends; a row whose sampling fails
+        ends, the others sample on."""
+        held = self.cache.snapshot([row.id for row, _ in plan])
+        try:
+            out = self._forward(plan)
+        except Exception as exc:
+            self.cache.restore(held)  # the pages and lengths the forward took are returned
+            if len(plan) == 1:
+                self._fail(plan[0][0], exc)
+                return
+            log.warning("a forward of %d rows failed (%r); running them one by one", len(plan), exc)
+            for one in plan:
+                self._step([one])
+            return
+        self._count_routing(plan, torch.cat([out[row.id][1] for row, _ in plan]))
+        for row, t in plan:
+            row.fed += t
+            if row.left == 0:
+                try:
+                    self._sample(row, out[row.id][0])
+                except Exception as exc:
+                    self._fail(row, exc)
+
+    def _forward(self, plan: list[tuple[Row, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """New rows' first chunks through the model's prefill (one right-padded forward), the
-        other rows' tokens as one forward of entries; then sampling and events."""
+        other rows' tokens as one forward of entries: per row, its last logits and its routing."""
         new = [(row, t) for row, t in plan if row.fed == 0]
         rest = [(row, t) for row, t in plan if row.fed > 0]
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (last logits, routing)
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if new:
             ids = [row.id for row, _ in new]
             chunks = [row.request.tokens[:t] for row, t in new]
@@ -295,11 +322,12 @@ class Engine:
             for row, t in rest:
                 out[row.id] = logits[i + t - 1 : i + t], routing[i : i + t]
                 i += t
-        self._count_routing(plan, torch.cat([out[row.id][1] for row, _ in plan]))
-        for row, t in plan:
-            row.fed += t
-            if row.left == 0:
-                self._sample(row, out[row.id][0])
+        return out
+
+    def _fail(self, row: Row, exc: Exception) -> None:
+        """End one request with an error (its pages freed), the rest of the batch untouched."""
+        log.error("request %s failed: %r", row.request.id, exc, exc_info=exc)
+        self._end(row, "error", exc)
 
     def _count_routing(self, plan: list[tuple[Row, int]], routing: torch.Tensor) -> None:
         """Take-rates over generated tokens fed back, each counted once (not again when a
@@ -319,6 +347,8 @@ class Engine:
 
     def _sample(self, row: Row, logits: torch.Tensor) -> None:
         request, p = row.request, row.request.params
+        if not bool(torch.isfinite(logits).all()):  # the argmax of NaNs would be a token
+            raise FloatingPointError("the model's logits for this request are not finite")
         token = int(sample_next(logits, p.temperature, p.top_k, p.top_p, request.generator)[0])
         with self._cond:
             self._counts["tokens_generated_total"] += 1

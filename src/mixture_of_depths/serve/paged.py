@@ -137,6 +137,19 @@ class PagedKVCache:
         for pool, pages in zip(self.pools, tables or (), strict=False):
             pool.release(pages)
 
+    def snapshot(self, rows: Sequence[int]) -> dict[int, list[tuple[int, int]]]:
+        """Per row and layer, (pages, tokens) held: what `restore` undoes a failed forward to."""
+        pairs = {r: zip(self.tables[r], self.lengths[r], strict=True) for r in rows}
+        return {r: [(len(p), n) for p, n in held] for r, held in pairs.items()}
+
+    def restore(self, held: dict[int, list[tuple[int, int]]]) -> None:
+        """Return the pages and slots taken since `snapshot` (what they hold is never read)."""
+        for row, was in held.items():
+            for pool, pages, (n_pages, _) in zip(self.pools, self.tables[row], was, strict=True):
+                pool.release(pages[n_pages:])
+                del pages[n_pages:]
+            self.lengths[row] = [n for _, n in was]
+
     def pages_held(self, row: int) -> list[int]:
         return [len(pages) for pages in self.tables[row]]
 

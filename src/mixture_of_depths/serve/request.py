@@ -115,12 +115,12 @@ class Request:
         if event.finish_reason is not None:
             self._done.set()
 
-    def finish(self, reason: str) -> None:
-        """The finish event (with any text held back), once."""
+    def finish(self, reason: str, error: Exception | None = None) -> None:
+        """The finish event (with any text held back; an `error` says why it failed), once."""
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
-        text = self.text.flush() if reason != "cancelled" else ""
+        text = self.text.flush() if reason not in ("cancelled", "error") else ""
         n = len(self.generated)
         self.push(
             Event(
@@ -128,6 +128,7 @@ class Request:
                 finish_reason=reason,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=n,
+                error=error,
             )
         )
 

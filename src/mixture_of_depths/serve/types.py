@@ -23,7 +23,8 @@ class SamplingParams:
 class Event:
     """One step of a request: a new token (and the text it completes, which may be "" while a
     multi-byte character is incomplete), or the end (`finish_reason` "stop" or "length", or
-    "cancelled", or "error" when a step failed), with the usage counts.
+    "cancelled", or "error" when computing this request failed: `error` then says why), with the
+    usage counts.
 
     The finish event may carry text too: what was held back because it could have begun a stop
     string, so the texts of all events add up to the completion. An end-of-text token that
@@ -35,6 +36,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     routing: list[bool] = field(default_factory=list)  # which routers the token took, if known
+    error: Exception | None = None  # with finish_reason "error": a RequestError is the input's
 
 
 class RequestError(ValueError):
