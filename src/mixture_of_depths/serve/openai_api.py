@@ -156,7 +156,7 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> tuple[list[int], str | None]:
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(_unicode(prompt, "prompt"))
         if not ids:
             raise APIError(400, "prompt encodes to no tokens: give some text", "prompt")
         return ids, prompt
@@ -165,8 +165,21 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> tuple[list[int], str | None]:
     return list(prompt), None
 
 
+def _unicode(text: str, param: str) -> str:
+    """`text`, or a 400 naming `param` when it holds a lone surrogate: JSON's "\\ud800" is valid
+    JSON but not Unicode text, and no tokenizer (nor UTF-8) can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        at = f"{text[exc.start]!r} at index {exc.start}"
+        msg = f"{param} holds a lone surrogate ({at}): not Unicode text"
+        raise APIError(400, msg, param) from None
+    return text
+
+
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    stops = [_unicode(s, "stop") for s in stops]
     if len(stops) > MAX_STOP:
         raise APIError(400, f"stop holds {len(stops)} sequences; at most {MAX_STOP}", "stop")
     if any(s == "" for s in stops):
