@@ -136,6 +136,28 @@ def test_sigterm_finishes_the_running_request_and_exits_0(model, tmp_path):  # n
             proc.wait()
 
 
+def test_sigterm_drains_and_exits_0_when_stderr_is_a_closed_pipe(model, tmp_path):  # noqa: ANN001
+    """`mod serve ... 2>&1 | head -3`: the reader of stderr has gone when SIGTERM comes, so
+    every message the drain prints fails (EPIPE); the drain must happen all the same."""
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixture_of_depths", "serve", str(ckpt), "--port", "0",
+         "--device", "cpu", "--log-level", "warning"],
+        cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        port = _port(proc, timeout_s=60)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        proc.stderr.close()  # the reader goes away
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_the_first_signal_drains_and_a_second_stops_at_once(model):  # noqa: ANN001
     """`mod serve`'s signal handling without a process: the first SIGTERM marks the server
     draining (/health 503, new completions refused by the engine) and drains the engine in the

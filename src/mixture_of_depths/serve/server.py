@@ -9,6 +9,7 @@ says "draining"), lets the engine finish the running requests within the grace p
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -63,17 +64,25 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = self.force_exit = True  # a second signal: stop now
 
     def _drain(self) -> None:
-        name = signal.Signals(self.signalled).name if self.signalled else "a signal"
-        print(
-            f"mod serve: {name}: admitting nothing new; finishing the running requests "
-            f"(at most {self.grace_s:g} s)",
-            file=sys.stderr,
-            flush=True,
-        )
         try:
+            name = signal.Signals(self.signalled).name if self.signalled else "a signal"
+            say(
+                f"mod serve: {name}: admitting nothing new; finishing the running requests "
+                f"(at most {self.grace_s:g} s)"
+            )
             self.drained = bool(self.engine.drain(self.grace_s))
         finally:
             self.should_exit = True
+
+
+def say(text: str) -> None:
+    """A line on stderr, unless its reader has gone (`mod serve 2>&1 | head`): then stderr
+    becomes /dev/null, so that no later write (nor the flush at exit) fails the drain or the
+    exit status."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # EPIPE, or a closed stream
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the life of the process)
 
 
 def serve(
@@ -100,19 +109,17 @@ def serve(
     server = DrainingServer(config, engine, state, grace_s)
     engine.start()
     where = sock.getsockname()
-    print(
+    say(
         f"mod serve: {engine.model_name!r} on http://{host}:{where[1]}/v1 "
-        f"(max context {engine.max_context} tokens); SIGTERM drains and stops",
-        file=sys.stderr,
-        flush=True,
+        f"(max context {engine.max_context} tokens); SIGTERM drains and stops"
     )
     server.run(sockets=[sock])
     if server.force_exit:
-        print("mod serve: stopped by a second signal", file=sys.stderr)
+        say("mod serve: stopped by a second signal")
         return 1
     if server.drained is False:
-        print("mod serve: the grace period ran out: the rest were cancelled", file=sys.stderr)
-    print("mod serve: stopped", file=sys.stderr, flush=True)
+        say("mod serve: the grace period ran out: the rest were cancelled")
+    say("mod serve: stopped")
     return 0
 
 
