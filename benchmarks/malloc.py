@@ -40,7 +40,7 @@ def child(args: argparse.Namespace) -> dict:
     data = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=gen)
 
     def step() -> None:
-        loss = model(data[:, :-1], data[:, 1:]).loss
+        loss = model(data[:, :-1], data[:, 1:], routing="topk").loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -125,21 +125,26 @@ class MoDTransformer(nn.Module):
         self,
         idx: Tensor,
         targets: Tensor | None = None,
-        routing: str = "topk",
+        routing: str | None = None,
         cache: Cache | None = None,
         lengths: Tensor | None = None,
         last_only: bool = False,
     ) -> MoDOutput:
         """Logits for `idx` (B, T); losses when `targets` (B, T, ignore index -100) is given.
 
-        routing="topk": the paper's expert-choice top-k per sequence (training; exactly k per row).
-        routing="causal": each token decides for itself; no decision reads a later token.
+        Not shifted: ``targets[:, t]`` is what position t predicts, so pass
+        ``model(idx[:, :-1], targets=idx[:, 1:])`` (`hf.MoDForCausalLM` shifts ``labels`` itself).
+
+        routing="topk": the paper's top-k per sequence (training; exactly k per row; reads later
+        tokens). "causal": each token decides alone. None: top-k in training mode, causal in
+        eval mode (`load_model`'s), as the Hugging Face model does (docs/semantics.md).
 
         `cache` (a `KVCache`, or some rows of one): an empty cache is filled by this forward, a
         prefill (`lengths`: (B,) real tokens of right-padded prompts); a filled one takes one
         token per row, a decode step (causal routing only). `last_only`: logits of each row's
         last real token only, (B, 1, vocab).
         """
+        routing = routing or ("topk" if self.training else "causal")
         if routing not in ROUTING_CHOICES:
             raise ValueError(f"routing must be one of {ROUTING_CHOICES}, got {routing!r}")
         idx = self.check_input(idx)

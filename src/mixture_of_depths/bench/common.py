@@ -100,7 +100,7 @@ def train_step_fn(
 
     def step() -> None:
         with autocast_for(idx.device, dtype):
-            loss = model(idx, targets).loss
+            loss = model(idx, targets, routing="topk").loss
         loss.backward()
         for p in model.parameters():
             p.grad = None

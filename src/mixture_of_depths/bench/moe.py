@@ -171,7 +171,9 @@ def bench_models(
             share = None
             if cfg.has_experts:
                 with torch.no_grad(), autocast_for(device, args.dtype):
-                    share = slot_shares(model(idx, targets).expert_routes, cfg.n_layers)
+                    share = slot_shares(
+                        model(idx, targets, routing="topk").expert_routes, cfg.n_layers
+                    )
             fns[name] = train_step_fn(model, idx, targets, args.dtype)
             rep = estimate_flops(cfg, seq_len, batch, with_dense=False, expert_share=share)
             flops[name], shares[name] = rep.train_causal, share

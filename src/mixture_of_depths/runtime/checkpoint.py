@@ -338,14 +338,17 @@ def _place(tmp: Path, final: Path) -> None:
 
 
 def resolve_checkpoint(directory: str | Path) -> Path:
-    """The checkpoint directory, or its previous version if a crash hit between the two renames."""
+    """The checkpoint directory, or its previous version if a crash hit between the two renames.
+    A run folder (`mod train --out`) stands for the checkpoint inside it: `mod eval runs/mod`."""
     d = Path(directory)
-    if (d / "config.json").exists():
-        return d
-    old = d.with_name(f".{d.name}.old")
-    if (old / "config.json").exists():
-        return old
-    raise FileNotFoundError(f"no checkpoint at {d} (expected {d / 'config.json'})")
+    for where in (d, d / "checkpoint"):
+        for ckpt in (where, where.with_name(f".{where.name}.old")):
+            if (ckpt / "config.json").exists():
+                return ckpt
+    raise FileNotFoundError(
+        f"no checkpoint at {d} (expected {d / 'config.json'}, or a run folder's "
+        f"{d / 'checkpoint' / 'config.json'})"
+    )
 
 
 def is_sharded(directory: str | Path) -> bool:
@@ -461,13 +464,16 @@ def consolidate_checkpoint(source: str | Path, dest: str | Path) -> Path:
 def load_model(
     directory: str | Path, map_location: str | torch.device = "cpu"
 ) -> tuple[MoDTransformer, MoDConfig]:
-    """Rebuild a `MoDTransformer` from a checkpoint directory (single-file or sharded)."""
+    """Rebuild a `MoDTransformer` from a checkpoint directory (single-file or sharded; a run
+    folder stands for its checkpoint), in eval mode, ready to evaluate or sample, as
+    ``from_pretrained`` returns a model: a plain forward then routes causally
+    (`MoDTransformer.forward`); call ``.train()`` to train it."""
     d = resolve_checkpoint(directory)
     config = load_config(d)
     model = MoDTransformer(config)
     if is_sharded(d):
         load_sharded(d, model)
-        return model.to(map_location), config
+        return model.to(map_location).eval(), config
     tensors = load_tensors(d / "model.safetensors")  # to CPU parameters; moved once below
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -491,7 +497,7 @@ def load_model(
             f"checkpoint {d} does not match its config: missing {sorted(set(missing) - tied)}, "
             f"unexpected {sorted(unexpected)}"
         )
-    return model.to(map_location), config
+    return model.to(map_location).eval(), config
 
 
 def _foreign(d: Path, config: dict[str, Any]) -> CheckpointError | None:

@@ -74,8 +74,8 @@ class Distilled(nn.Module):
         self.student, self.weight = student, weight
         self._teacher = [teacher]  # not a submodule: never trained, saved or wrapped
 
-    def forward(self, x: Tensor, y: Tensor) -> MoDOutput:
-        out = self.student(x, y)
+    def forward(self, x: Tensor, y: Tensor, routing: str = "topk") -> MoDOutput:
+        out = self.student(x, y, routing=routing)
         with torch.no_grad():
             target = self._teacher[0](x, routing="topk").logits
         out.distill_loss = kl_to_teacher(out.logits, target)
