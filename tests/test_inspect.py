@@ -346,7 +346,7 @@ def test_statistics_of_constant_routing_say_why_they_are_undefined(tmp_path, cap
     printed = capsys.readouterr().out
     report = (out / "report.md").read_text()
     page = (out / "index.html").read_text()
-    numbers = page[page.index("<pre>") :]
+    numbers = page[page.index('<div class="numbers">') :]
     title = " ".join(titles)
     why = "undefined (routing is constant: no variance)"
     assert printed.count(why) == 2  # depth~entropy, depth~loss

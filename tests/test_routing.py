@@ -3,15 +3,18 @@ the share it promises, and the layer-kind table against the config's letters."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import make_model as _make_model
 from helpers import random_tokens, tiny_config
 from reference import topk_set
 
-from mixture_of_depths import BLOCKS, MoDTransformer
+from mixture_of_depths import BLOCKS, MoDTransformer, routing_accuracy, routing_scores
 from mixture_of_depths.config import LAYER_KINDS
-from mixture_of_depths.routing import calibrate_predictors, topk_indices, topk_mask
+from mixture_of_depths.routing import Route, calibrate_predictors, topk_indices, topk_mask
+from mixture_of_depths.train import evaluate
 
 
 def test_topk_mask_per_row_k_over_valid_tokens_matches_the_loop_rule():
@@ -80,3 +83,47 @@ def test_every_layer_letter_has_a_block_class_and_a_cost():
     assert routed.matmul == pytest.approx(dense.matmul * 3 / 10)
     model = MoDTransformer(cfg)
     assert [type(b) for b in model.blocks] == [BLOCKS[k] for k in cfg.layer_kinds]
+
+
+def _route(take: list[list[int]], target: list[list[int]], name_layer: int = 1) -> Route:
+    """A hand-built route whose causal decisions are `take` (logit +1 or -1) and top-k set
+    `target`."""
+    logits = torch.tensor(take, dtype=torch.float64) * 2 - 1
+    return Route(name_layer, "block", logits > 0, logits, torch.tensor(target, dtype=torch.bool))
+
+
+def test_routing_scores_count_the_top_k_set_by_hand():
+    """Two rows of 8, top-k sets of 2: 3 of the 4 top-k tokens taken (one missed), 2 taken
+    outside them: recall 3/4, precision 3/5, specificity 10/12, the paper's accuracy 13/16."""
+    target = [[1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0, 0]]
+    take = [[1, 0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 1, 0]]
+    got = routing_scores([_route(take, target)])["1"]
+    want = dict(recall=3 / 4, precision=3 / 5, balanced_accuracy=(3 / 4 + 10 / 12) / 2,
+                take_rate=5 / 16, accuracy=13 / 16)  # fmt: skip
+    assert got == pytest.approx(want)
+    assert routing_accuracy([_route(take, target)]) == {"1": pytest.approx(13 / 16)}
+
+
+def test_a_router_that_never_fires_scores_recall_zero_whatever_its_accuracy():
+    """12.5% positives: never firing is 87.5% "accurate" (the paper's measure), recall 0,
+    precision undefined (NaN, null in JSON), balanced accuracy 0.5 (a coin's)."""
+    target = [[1] + [0] * 7] * 4
+    got = routing_scores([_route([[0] * 8] * 4, target)])["1"]
+    assert got["accuracy"] == 0.875 and got["recall"] == 0.0 and got["take_rate"] == 0.0
+    assert got["balanced_accuracy"] == 0.5 and math.isnan(got["precision"])
+    always = routing_scores([_route([[1] * 8] * 4, target)])["1"]
+    assert always["recall"] == 1.0 and always["precision"] == 0.125
+    assert always["balanced_accuracy"] == 0.5 and always["accuracy"] == 0.125
+
+
+def test_evaluation_pools_the_scores_over_its_batches():
+    """`train.evaluate` reports recall and precision from the counts of all its batches (and
+    the paper's accuracy beside them), equal to `routing_scores` over the concatenated batch."""
+    model = _make_model(tiny_config(), dtype=torch.float64).eval()
+    x = random_tokens(4, 16, seed=5)
+    ev = evaluate(model, [(x[:2], x[:2]), (x[2:], x[2:])], torch.device("cpu"))
+    whole = routing_scores(model(x, routing="topk").routes)
+    for name, sc in whole.items():
+        assert ev["routing_recall"][name] == pytest.approx(sc["recall"], nan_ok=True)
+        assert ev["routing_precision"][name] == pytest.approx(sc["precision"], nan_ok=True)
+        assert ev["routing_accuracy"][name] == pytest.approx(sc["accuracy"])

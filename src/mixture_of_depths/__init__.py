@@ -10,7 +10,7 @@ from .config import PRESETS, MoDConfig, capacity_tokens
 from .data import load_tokenizer
 from .generate import Generation, GenerationOutput, generate, generate_reference, stream
 from .model import BLOCKS, MoDOutput, MoDTransformer
-from .routing import Route, routing_accuracy
+from .routing import Route, routing_accuracy, routing_scores
 from .runtime.checkpoint import load_model
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "routing_accuracy",
+    "routing_scores",
     "stream",
 ]
 __version__ = "0.1.0"

@@ -148,28 +148,69 @@ def router_aux_loss(routes: list[Route], like: Tensor) -> Tensor:
     return torch.stack(losses).mean() if losses else like.new_zeros((), dtype=dtype)
 
 
-@torch.no_grad()
-def routing_accuracy(routes: list[Route]) -> dict[str, float]:
-    """Share of tokens whose causal decision (logit > the router's threshold, 0 unless
-    calibrated) agrees with top-k membership, per router.
+def causal_takes(routes: list[Route]) -> list[tuple[Route, Tensor]]:
+    """Each route with its causal decisions (decision logit > the router's threshold, 0 unless
+    calibrated), to compare with its top-k membership (`Route.target`).
 
     A recursion step's causal decision is its own and the steps' before it (a token continues
     only while active, docs/mor.md), as its top-k target is nested in theirs: a token that
     stopped earlier counts as skipping, whatever its score at this step.
-
-    Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered and MLP-only
-    routing.
     """
-    acc = {}
-    active: Tensor | None = None  # the recursion steps' causal decisions so far
+    out, active = [], None  # the recursion steps' causal decisions so far
     for r in routes:
         if r.target is None:
             raise ValueError(f"route {r.name} has no top-k target (a cached decode step)")
         take = r.decision_logits > r.threshold
         if r.kind == "recursion":
             active = take = take if active is None else take & active
-        acc[r.name] = (take == r.target).float().mean().item()
-    return acc
+        out.append((r, take))
+    return out
+
+
+@torch.no_grad()
+def routing_accuracy(routes: list[Route]) -> dict[str, float]:
+    """The paper's routing accuracy: the share of tokens whose causal decision agrees with top-k
+    membership, per router. With 12.5% of tokens in the top-k set a router that never fires
+    scores 87.5%: read it beside `routing_scores`' recall and precision (docs/semantics.md).
+
+    Keys are ``"<layer>"`` for joint routing and ``"<layer>.<kind>"`` for staggered and MLP-only
+    routing.
+    """
+    return {r.name: (take == r.target).float().mean().item() for r, take in causal_takes(routes)}
+
+
+def confusion(take: Tensor, target: Tensor) -> Tensor:
+    """(4,) int64 counts on the host: [taken and in the top-k set, taken and not, skipped and in
+    it, skipped and not] (true positives, false positives, false negatives, true negatives)."""
+    take, target = take.bool(), target.bool()
+    tp, fp, fn = (take & target).sum(), (take & ~target).sum(), (~take & target).sum()
+    return torch.stack([tp, fp, fn, take.numel() - tp - fp - fn]).cpu()
+
+
+def decision_scores(counts: Tensor) -> dict[str, float]:
+    """Whether causal decisions imitate top-k, from `confusion` counts: `recall` (the share of
+    top-k's tokens the causal decision takes: 0 for a router that never fires), `precision` (the
+    share of taken tokens top-k chose; NaN when none is taken), `balanced_accuracy` (the mean of
+    recall and the share of top-k's skippers it skips: 0.5 for a router that never or always
+    fires), `take_rate`, and `accuracy`, the paper's (the share that agrees)."""
+    tp, fp, fn, tn = (float(c) for c in counts)
+    ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    recall, specificity = ratio(tp, tp + fn), ratio(tn, tn + fp)
+    return {
+        "recall": recall,
+        "precision": ratio(tp, tp + fp),
+        "balanced_accuracy": (recall + specificity) / 2,
+        "take_rate": ratio(tp + fp, tp + fp + fn + tn),
+        "accuracy": ratio(tp + tn, tp + fp + fn + tn),
+    }
+
+
+@torch.no_grad()
+def routing_scores(routes: list[Route]) -> dict[str, dict[str, float]]:
+    """Per router, `decision_scores` of its causal decisions against its top-k set, from the
+    routes of a top-k forward: recall and precision of the top-k set, balanced accuracy, the
+    take-rate, and the paper's accuracy (`routing_accuracy`)."""
+    return {r.name: decision_scores(confusion(take, r.target)) for r, take in causal_takes(routes)}
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..model import MoDTransformer
-from ..routing import Route
+from ..routing import Route, confusion, decision_scores
 from .stats import (
     bootstrap_spearman,
     independence_test,
@@ -36,7 +36,9 @@ class Report:
     depth_hist: Tensor  # (R + 1,) tokens that took 0..R routers
     independent_hist: Tensor  # (R + 1,) expected counts under independent per-router coins
     longest_skip: Tensor  # (N,) longest run of consecutive skipped routers
-    agreement: dict[str, float] = field(default_factory=dict)  # causal == top-k, per router
+    agreement: dict[str, float] = field(default_factory=dict)  # causal == top-k: the paper's
+    # per router, recall and precision of the top-k set (routing.decision_scores)
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
     take_rate: dict[str, float] = field(default_factory=dict)  # causal, per router
     correlations: dict[str, dict[str, float]] = field(default_factory=dict)
     baseline_loss: Tensor | None = None  # (N,) the baseline model's loss on the same tokens
@@ -133,6 +135,10 @@ def analyse(
         independent_hist=poisson_binomial(rates) * n,
         longest_skip=longest_run(~taken),
         agreement={nm: float(same[j]) for j, nm in enumerate(names)},
+        scores={
+            nm: decision_scores(confusion(taken[:, j], taken_topk[:, j]))
+            for j, nm in enumerate(names)
+        },
         take_rate={nm: float(rates[j]) for j, nm in enumerate(names)},
         baseline_loss=base_loss,
         row_len=T,

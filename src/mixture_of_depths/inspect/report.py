@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +53,22 @@ def report_md(
 
 
 def _routing_tables(report: Report) -> list[str]:
-    """Take-rates and agreement per router; blocks taken against independent coins."""
+    """Take-rates, recall and precision of the top-k set and the paper's agreement per router;
+    blocks taken against independent coins."""
     lines = [
-        "| router | take-rate (causal) | causal agrees with top-k |",
-        "|---|---|---|",
+        "| router | take-rate (causal) | recall of top-k | precision | causal agrees with top-k "
+        "(the paper's accuracy) |",
+        "|---|---|---|---|---|",
     ]
-    lines += [
-        f"| {nm} | {report.take_rate[nm]:.3f} | {report.agreement[nm]:.3f} |"
-        for nm in report.router_names
-    ]
+    for nm in report.router_names:
+        sc = report.scores[nm]
+        recall, precision = (  # NaN: no token in the top-k set, or none taken
+            "n/a" if v != v else f"{v:.3f}" for v in (sc["recall"], sc["precision"])
+        )
+        lines.append(
+            f"| {nm} | {report.take_rate[nm]:.3f} | {recall} | {precision} | "
+            f"{report.agreement[nm]:.3f} |"
+        )
     lines += ["", "| blocks taken | tokens | independent coins |", "|---|---|---|"]
     lines += [
         f"| {k} | {int(report.depth_hist[k])} | {float(report.independent_hist[k]):.1f} |"
@@ -181,6 +189,8 @@ def report_json(
         "routers": list(report.router_names),
         "take_rate": dict(report.take_rate),
         "agreement": dict(report.agreement),
+        "recall": {k: v["recall"] for k, v in report.scores.items()},
+        "precision": {k: v["precision"] for k, v in report.scores.items()},
         "blocks_taken": [int(n) for n in report.depth_hist],
         "independent_coins": [float(n) for n in report.independent_hist],
         "independence": dict(report.independence),
@@ -254,6 +264,8 @@ def html_page(
         ".text{font-family:monospace;line-height:1.7;border:1px solid #ccc;padding:1em}"
         ".tok{border-radius:2px}.key{display:inline-block;width:2em;text-align:center;"
         "border:1px solid #999;margin-right:2px}img{max-width:100%}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
+        "padding:2px 8px;text-align:right}th{background:#f3f3f3}"
         "</style></head><body><h1>Where the compute went</h1>"
         f"<p>Routed blocks each token took (causal routing), 0 to {R}: {legend}. "
         "Hover a token for each router's decision and weight."
@@ -264,5 +276,29 @@ def html_page(
         )
         + "</p>"
         f'<div class="text">{"".join(spans)}</div>{pictures}'
-        f"<pre>{html.escape(numbers)}</pre></body></html>\n"
+        f'<div class="numbers">{markdown_html(numbers)}</div></body></html>\n'
     )
+
+
+def markdown_html(text: str) -> str:
+    """The markdown `report_md` writes (headings, tables, bullets, paragraphs, code spans) as
+    HTML, so the page shows its tables as tables (no markdown library: the page needs none)."""
+    out: list[str] = []
+    inline = lambda t: re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(t))  # noqa: E731
+    for block in re.split(r"\n\s*\n", text.strip()):
+        lines = block.splitlines()
+        if all(ln.startswith("|") for ln in lines):
+            cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+            body = [r for r in cells[1:] if not all(set(c) <= set("-: ") for c in r)]
+            row = lambda r, tag: "<tr>" + "".join(f"<{tag}>{inline(c)}</{tag}>" for c in r)  # noqa: E731
+            out.append(f"<table>{row(cells[0], 'th')}{''.join(row(r, 'td') for r in body)}</table>")
+        elif lines[0].startswith("#"):
+            level = min(len(lines[0]) - len(lines[0].lstrip("#")) + 1, 6)  # the page's h1 is above
+            out.append(f"<h{level}>{inline(lines[0].lstrip('# '))}</h{level}>")
+            if lines[1:]:
+                out.append(markdown_html("\n".join(lines[1:])))
+        elif all(ln.startswith("- ") for ln in lines):
+            out.append("<ul>" + "".join(f"<li>{inline(ln[2:])}</li>" for ln in lines) + "</ul>")
+        else:
+            out.append(f"<p>{inline(' '.join(lines))}</p>")
+    return "\n".join(out)

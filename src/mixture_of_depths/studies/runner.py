@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -236,6 +237,9 @@ def result_row(run: Prepared, summary: dict[str, Any], wall_s: float) -> dict[st
         "val_loss_causal": summary["val_loss_causal"],
         "routing_accuracy": acc,
         "routing_accuracy_mean": sum(acc.values()) / len(acc) if acc else None,
+        # whether the causal decisions imitate top-k: the paper's accuracy above rewards a
+        # router that never fires (docs/semantics.md)
+        **{k: summary[k] for k in ("routing_recall", "routing_precision") if k in summary},
         "causal_take_rate": summary["causal_take_rate"],
         "train_time_s": summary["train_time_s"],
         "tokens_per_s": summary["tokens"] / max(summary["train_time_s"], 1e-9),
@@ -387,6 +391,8 @@ def study(
     done = {r["name"] for r in results}
     specs = plan.runs(settings)
     n_total = len(specs) + 2 * len(settings.budgets)
+    print(f"study: {n_total - len(done)} runs to train, {len(done)} of {n_total} done",
+          file=sys.stderr)  # fmt: skip
     bar = tqdm(total=n_total, initial=len(done), desc="study", unit="run", disable=not progress)
     pending = list(specs)
     groups: dict[Any, list[RunSpec]] = {}  # the grid's runs by seed group, in plan order

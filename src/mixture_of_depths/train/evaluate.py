@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..checks import Range
 from ..data import eval_batches, load_splits, load_tokenizer
@@ -15,7 +16,7 @@ from ..generate import prefill_calibration as calibrate_prefill
 from ..model import MoDOutput, MoDTransformer
 from ..precision import autocast_for
 from ..probes import copy_probe
-from ..routing import routing_accuracy
+from ..routing import causal_takes, confusion, decision_scores
 from ..runtime.checkpoint import corrupt, load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
 from .config import TrainConfig
@@ -23,29 +24,34 @@ from .config import TrainConfig
 
 @torch.no_grad()
 def evaluate(
-    model: MoDTransformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    model: MoDTransformer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Validation loss in top-k and causal routing; routing accuracy and take-rate per router.
-
-    Routing accuracy compares each token's causal decision with its top-k membership on the top-k
-    forward. The take-rate is the share of tokens that chose a router in the causal forward; it
-    should sit near the configured capacity when the causal router has learned top-k.
+    """Validation loss in top-k and causal routing; per router, how its causal decisions match
+    top-k membership on the top-k forward (`routing_recall`, `routing_precision`,
+    `routing_balanced_accuracy`, and the paper's `routing_accuracy`: `routing.decision_scores`,
+    pooled over the batches) and the causal take-rate (the share of tokens that took it in the
+    causal forward: near the capacity once the causal router has learned top-k). `progress`: a
+    bar on stderr (`mod eval`; a training run has its own).
     """
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {"topk": 0.0, "causal": 0.0}
-    acc: dict[str, float] = {}
+    counts: dict[str, torch.Tensor] = {}
     take: dict[str, float] = {}
     experts: dict[str, float] = {}
     dense = model.config.is_dense
     try:
-        for x, y in batches:
+        shown = None if progress else True  # None: on a terminal only
+        for x, y in tqdm(batches, desc="evaluating", unit="batch", disable=shown, leave=False):
             x, y = x.to(device), y.to(device)
             with autocast_for(device):
                 out = model(x, y, routing="topk")
             sums["topk"] += out.lm_loss.item()
-            for key, a in routing_accuracy(out.routes).items():
-                acc[key] = acc.get(key, 0.0) + a
+            for r, t in causal_takes(out.routes):
+                counts[r.name] = counts.get(r.name, 0) + confusion(t, r.target)
             if dense:  # both modes are the same computation for a dense model
                 sums["causal"] += out.lm_loss.item()
                 _add_expert_take(experts, out)
@@ -59,10 +65,15 @@ def evaluate(
     finally:
         model.train(was_training)
     n = max(1, len(batches))
+    scores = {k: decision_scores(c) for k, c in counts.items()}
+    pick = lambda key: {k: s[key] for k, s in scores.items()}  # noqa: E731
     return {
         "val_loss_topk": sums["topk"] / n,
         "val_loss_causal": sums["causal"] / n,
-        "routing_accuracy": {k: v / n for k, v in acc.items()},
+        "routing_recall": pick("recall"),
+        "routing_precision": pick("precision"),
+        "routing_balanced_accuracy": pick("balanced_accuracy"),
+        "routing_accuracy": pick("accuracy"),
         "causal_take_rate": {k: v / n for k, v in take.items()},
         **({"expert_take_rate": {k: v / n for k, v in experts.items()}} if experts else {}),
     }
@@ -122,6 +133,7 @@ def evaluate_checkpoint(
     batch_size: int | None = None,
     device: str = "auto",
     prefill_calibration: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """`mod eval`: validation loss in both modes and routing accuracy of a saved model.
 
@@ -138,7 +150,7 @@ def evaluate_checkpoint(
     tokenizer = load_tokenizer(ckpt)
     # Evaluate as the run did: its data and its sequence length (k = floor(capacity * T)).
     batches, seq_len = run_batches(ckpt, tokenizer, cfg.max_seq_len, data, n_batches, batch_size)
-    out = {"checkpoint": str(ckpt), **evaluate(model, batches, dev)}
+    out = {"checkpoint": str(ckpt), **evaluate(model, batches, dev, progress)}
     if seq_len >= 4:  # in-context copying at the run's length
         with autocast_for(dev):
             out["copy_probe"] = copy_probe(model, length=seq_len)
