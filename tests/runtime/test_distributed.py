@@ -124,7 +124,7 @@ def env(shared: tuple[Path, dict[str, str]]) -> dict[str, str]:
 def test_ddp_two_ranks_and_grad_accum_equal_one_process(corpus, tmp_path, env, reference):
     base = [*COMMON, "--data", str(corpus)]
     two, acc = tmp_path / "two", tmp_path / "acc"
-    printed = run_mod([*base, "--out", str(two)], env, nproc=2).stdout
+    printed = run_mod([*base, "--out", str(two)], env, nproc=2).stderr  # evaluation lines
     run_mod([*base, "--out", str(acc), "--grad-accum", "2"], env)
     assert_same_run(logged(two), reference, "DDP, 2 ranks")
     # Each evaluation's line is printed once, by rank 0, not once per rank.

@@ -254,13 +254,15 @@ def test_cli_train_eval_resume_smoke(corpus: Path, tmp_path: Path, capsys):
         "--json",
     ]
     assert main(args) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out)  # stdout is the JSON alone (for jq)
+    assert "step 2: val loss top-k" in printed.err  # the evaluation lines go to stderr
     assert summary["steps"] == 4 and set(summary["routing_accuracy"]) == {"1", "3"}
     assert json.loads((out / "checkpoint" / "config.json").read_text())["skipped_kv"] == "residual"
     assert (out / "checkpoint" / "model.safetensors").exists() and (out / "loss.png").exists()
     assert main(["eval", str(out / "checkpoint"), "--batches", "1", "--batch-size", "2"]) == 0
     text = capsys.readouterr().out
-    assert "validation loss" in text and "routing accuracy layer 1" in text
+    assert "validation loss" in text and "layer 1: recall" in text and "paper's accuracy" in text
     ev = ["eval", str(out / "checkpoint"), "--batches", "1", "--prefill-calibration"]
     assert main([*ev, "--json"]) == 0
     pc = json.loads(capsys.readouterr().out)["prefill_calibration"]

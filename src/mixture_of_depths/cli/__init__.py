@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from .. import __version__
 from ..runtime.distributed import env_from_torchrun
 from ..runtime.malloc import keep_freed_memory
 from ..train import TrainingStopped
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mod", description="Mixture-of-Depths transformers: train, evaluate, inspect."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command.add_parser(sub, name)

@@ -8,11 +8,16 @@ from typing import Any
 
 from ..fileio import json_text
 from ..train import evaluate_checkpoint, format_eval_lines
+from .flags import ShowDefaults
 
 
 def add_parser(sub: Any, name: str) -> None:
-    p = sub.add_parser(name, help="validation loss (top-k and causal) and routing accuracy")
-    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
+    p = sub.add_parser(
+        name,
+        help="validation loss (top-k and causal) and how causal routing matches top-k",
+        formatter_class=ShowDefaults,
+    )
+    p.add_argument("checkpoint", help="checkpoint directory, or a run folder (e.g. runs/mod)")
     p.add_argument("--data", default=None, help="text file or folder (default: the run's data)")
     p.add_argument(
         "--batches",
@@ -33,7 +38,7 @@ def add_parser(sub: Any, name: str) -> None:
         "prefilling the first half causally and with top-k, and count the prompt decisions that "
         "differ (MoD models; docs/semantics.md, KV strategies)",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto: cuda if there is one, else cpu")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -45,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         prefill_calibration=args.prefill_calibration,
+        progress=True,  # on stderr, shown on a terminal only
     )
     if args.json:
         print(json_text(res))

@@ -16,6 +16,17 @@ DEFAULT_PRESET = "small"
 FIELD_HELP = {"MoDConfig": MODEL_HELP, "TrainConfig": TRAIN_HELP}  # by class name
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """Help that gives each flag's default where its text does not say it already (like
+    argparse's ArgumentDefaultsHelpFormatter, less "(default: None)" and "(default: False)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        silent = d is None or d is False or d == argparse.SUPPRESS or not action.option_strings
+        return text if silent or "default" in text else f"{text} (default: %(default)s)".lstrip()
+
+
 def field_type(annotation: Any) -> Any:
     """The scalar type of a dataclass field annotation such as ``int | None``."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:

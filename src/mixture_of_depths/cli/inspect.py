@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..config import MoDConfig
 from ..data import ByteTokenizer, Tokenizer, eval_batches, load_splits, load_tokenizer
@@ -26,12 +27,14 @@ from ..inspect import (
 from ..probes import attention_reach, copy_probe, format_copy_probe, format_reach
 from ..runtime.checkpoint import load_config, load_model, read_json_file, resolve_checkpoint
 from ..runtime.device import resolve_device
+from .flags import ShowDefaults
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="where the compute went, token by token: pictures and numbers",
+        formatter_class=ShowDefaults,
         description="Route held-out text through a checkpoint in causal and top-k routing and "
         "write routing.png, depth_hist.png, skip_runs.png, entropy.png, report.md, report.json and "
         "index.html: blocks taken per token against independent per-router coins, the longest "
@@ -40,7 +43,7 @@ def add_parser(sub: Any, name: str) -> None:
         "a repeated random sequence, with each router's take-rate on each copy), and how far "
         "back each layer's attention looks.",
     )
-    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run folder (e.g. runs/mod)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", default=None, help="text file or folder: its validation split "
                      "(default: the run's data)")  # fmt: skip
@@ -54,7 +57,7 @@ def add_parser(sub: Any, name: str) -> None:
         help="a dense twin trained on the same tokenizer (e.g. runs/dense/checkpoint): adds each "
         "token's excess loss over it, by skip run and by blocks taken",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto: cuda if there is one, else cpu")
 
 
 # What `mod inspect` writes: a folder holding only these (and its own write's leftovers) is a
@@ -156,10 +159,17 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline is not None:
         check_baseline(args, tokenizer, cfg, tokens.shape[1])
         baseline = load_model(args.baseline, map_location=device)[0]
+    # Each stage takes seconds to a minute: a bar on stderr (on a terminal) says which runs.
+    bar = tqdm(total=4, desc="inspect", unit="stage", disable=None, leave=False)
+    bar.set_postfix_str("routing, statistics and bootstrap")
     report = analyse(model, tokens, baseline=baseline)
+    bar.update(1), bar.set_postfix_str("copy probe")
     copy = copy_probe(model)  # random tokens: the same numbers whatever text was inspected
+    bar.update(1), bar.set_postfix_str("attention reach")
     reach = attention_reach(model, tokens.to(device))
+    bar.update(1), bar.set_postfix_str("pictures and page")
     write_outputs(out, report, tokenizer, copy, tokens.shape[1], reach)
+    bar.update(1), bar.close()
     c = report.correlations
     print(
         f"{out}: index.html, report.md, report.json, routing.png, depth_hist.png, skip_runs.png, "

@@ -13,13 +13,14 @@ from ..studies import loader, rounds, scheduler, workers
 from ..studies.rounds import Round
 from ..studies.runner import Loop, Plan, rewrite_report, study
 from ..train import TrainingStopped
+from .flags import ShowDefaults
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
-        help="run or resume a study of training runs at fixed FLOP budgets, named by its "
-        "folder",
+        help="run or resume a study of training runs at fixed FLOP budgets, named by its folder",
+        formatter_class=ShowDefaults,
         description="Train the runs a study folder plans (its __init__.py defines STUDY), each "
         "to a fixed training-FLOP budget, and write results.jsonl, report.md and the figures "
         "into the folder (--quick: into <folder>/quick; --out: elsewhere). Rerun to resume.",
@@ -79,7 +80,8 @@ def add_parser(sub: Any, name: str) -> None:
         "--collect", action="store_true", help="add the runs that finished under --work to the "
         "results (with the study's profile of each) and rewrite the report"
     )  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run")
+    p.add_argument("--quick", action="store_true", help="tiny budgets and models: a smoke run of "
+                   "the whole plan (tens of runs: it says how many as it starts)")  # fmt: skip
     p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib)")
     p.add_argument(
         "--keep-checkpoints",

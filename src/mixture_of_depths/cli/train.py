@@ -19,13 +19,14 @@ from ..train import (
     train,
 )
 from ..train.setup import refuse_other_tokenizer
-from .flags import DEFAULT_PRESET, add_dataclass_flags, add_preset_flag, given
+from .flags import DEFAULT_PRESET, ShowDefaults, add_dataclass_flags, add_preset_flag, given
 
 
 def add_train(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="train a model (default: a small MoD model on the Python standard library)",
+        formatter_class=ShowDefaults,
         description="Train a MoD (or dense) language model. Model flags override the preset; "
         "with --resume the model comes from the checkpoint in --out.",
     )
@@ -39,7 +40,8 @@ def add_train(sub: Any, name: str) -> None:
         "--overwrite", action="store_true", help="start over even if --out already holds a run"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON, alone on "
+                   "stdout (evaluation lines and the bar go to stderr)")  # fmt: skip
     model_group = p.add_argument_group("model (MoDConfig fields)")
     add_dataclass_flags(
         model_group, MoDConfig, skip={"vocab_size", "causal_thresholds"}, preset=True
@@ -52,6 +54,7 @@ def add_tune_routers(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="train only the routers (and predictors) of a checkpoint, the rest frozen",
+        formatter_class=ShowDefaults,
         description="A new run from CHECKPOINT's weights (e.g. a dense model converted by `mod "
         "convert`) that trains only its routers and predictors, by the LM loss (through the "
         "straight-through gate) and the causal-router loss; --distill W adds W x KL(frozen dense "
@@ -63,7 +66,8 @@ def add_tune_routers(sub: Any, name: str) -> None:
     p.add_argument("--resume", action="store_true", help="continue this run in --out")
     p.add_argument("--overwrite", action="store_true", help="start over in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON, alone on "
+                   "stdout (evaluation lines and the bar go to stderr)")  # fmt: skip
     p.set_defaults(preset=None)
     add_dataclass_flags(p, TrainConfig, skip={"init_from"}, choices=TRAIN_CHOICES, shown=TUNED)
 

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ def run(
     results_path = out / "results.jsonl"
     claims = work / ".claims"
     results = load_results(results_path)
+    if not worker:  # one line before any work (--quick is no minute's smoke run either)
+        called = {sp.name for sp in study.plan(s, results)} - {r["name"] for r in results}
+        print(f"{study.name}: {len(called)} runs to train, {len(results)} done; the plan may "
+              "call for more as results come in", file=sys.stderr)  # fmt: skip
     bar = tqdm(desc=study.name, unit="run", initial=len(results), disable=not progress)
     new = 0
     while max_runs is None or new < max_runs:

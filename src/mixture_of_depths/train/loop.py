@@ -170,7 +170,7 @@ def _train_step(run: Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
     n = tc.grad_accum
     if n == 1:
         with _autocast(run):
-            out = step_fn(x, y)
+            out = step_fn(x, y, routing="topk")  # training routes by top-k, in any mode
         out.loss.backward()
     else:
         outs = []
@@ -178,7 +178,7 @@ def _train_step(run: Run, step: int) -> tuple[MoDOutput, torch.Tensor, float]:
             # DDP reduces gradients on the last micro-batch only
             sync = i == n - 1 or not hasattr(step_fn, "no_sync")
             with contextlib.nullcontext() if sync else step_fn.no_sync(), _autocast(run):
-                out = step_fn(xm, ym)
+                out = step_fn(xm, ym, routing="topk")
                 (out.loss / n).backward()
             outs.append(out)
         out = _mean_output(outs)
@@ -286,7 +286,7 @@ def _evaluate_and_save(run: Run, done: int, bar: tqdm) -> dict[str, Any]:
         diag = _routing_probe(run)
         run.log.write({"step": done, **ev, **({"routing_diag": diag} if diag else {})})
         if run.env.is_main:  # tqdm.write prints on every rank, its bar disabled or not
-            bar.write(format_eval(done, ev))
+            bar.write(format_eval(done, ev), file=sys.stderr)  # stdout: the summary alone
         _checkpoint(run, done, elapsed)
     return ev
 
