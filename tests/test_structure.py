@@ -160,7 +160,7 @@ def test_the_server_stands_on_the_library_and_only_the_cli_runs_it():
     """serve/ imports the library only (never cli/, train/, studies/, bench/), and only cli/
     imports its HTTP modules (they need the [serve] extra: docs/serving.md)."""
     above = tuple(f"{PKG}.{a}" for a in ("cli", "train", "studies", "bench"))
-    http = tuple(f"{PKG}.serve.{m}" for m in ("server", "app"))
+    http = tuple(f"{PKG}.serve.{m}" for m in ("server", "app", "guard"))
     for name, path in _modules().items():
         targets = [t for t, _, _ in _imports(name, path)]
         if name.startswith(f"{PKG}.serve"):

@@ -183,7 +183,8 @@ def test_each_bad_request_gets_its_4xx_and_the_server_keeps_answering(live):  # 
                 yield b"x" * 4096
             yield b'"}'
 
-        assert h.post(url, content=chunked()).status_code == 413
+        json_type = {"Content-Type": "application/json"}
+        assert h.post(url, content=chunked(), headers=json_type).status_code == 413
         assert h.get(f"{server.url}/v1/nothing").json()["error"]["code"] == "not_found"
     c = client(server)
     with pytest.raises(openai.NotFoundError) as exc:

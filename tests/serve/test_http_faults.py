@@ -177,3 +177,49 @@ def test_the_first_signal_drains_and_a_second_stops_at_once(model):  # noqa: ANN
     assert not server.force_exit and server._captured_signals == []  # not re-raised at exit
     server.handle_exit(signal.SIGTERM, None)
     assert server.force_exit
+
+
+@pytest.fixture()
+def no_serving(monkeypatch):  # noqa: ANN001, ANN201
+    """`mod serve` up to the point of listening: what it would serve with, no socket bound."""
+    import mixture_of_depths.serve.server as server
+
+    seen = {}
+
+    def serve(engine, host, port, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.update(kw, engine=engine, host=host)
+        return 0
+
+    monkeypatch.setattr(server, "serve", serve)
+    return seen
+
+
+def test_an_api_key_comes_from_the_flag_or_the_environment_and_open_binds_warn(
+    model, tmp_path, monkeypatch, capsys, no_serving
+):  # noqa: ANN001
+    ck = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    ckpt = [str(ck), "--device", "cpu"]
+    monkeypatch.delenv("MOD_API_KEY", raising=False)
+    assert main(["serve", *ckpt, "--host", "0.0.0.0", "--allowed-host", "a,b", "--allowed-host",
+                 "c", "--max-connections", "9", "--header-timeout", "2"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "warning: listening on 0.0.0.0 without an API key" in err
+    access, limits = no_serving["access"], no_serving["limits"]
+    assert access.api_key is None and access.allowed_hosts == ("a", "b", "c")
+    assert (limits.max_connections, limits.header_timeout_s, limits.body_timeout_s) == (9, 2, 30)
+    monkeypatch.setenv("MOD_API_KEY", "from-env")
+    assert main(["serve", *ckpt, "--host", "0.0.0.0"]) == 0
+    assert no_serving["access"].api_key == "from-env" and "warning" not in capsys.readouterr().err
+    assert main(["serve", *ckpt, "--api-key", "from-flag"]) == 0
+    assert no_serving["access"].api_key == "from-flag"
+    assert main(["serve", *ckpt, "--api-key", " "]) == 2
+    assert "--api-key must not be empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--kv-pages", "100000000"], ["--max-rows", "100000000"]])
+def test_kv_pools_larger_than_memory_are_refused_by_flag(model, tmp_path, capsys, flags):  # noqa: ANN001
+    ckpt = str(save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer()))
+    assert main(["serve", ckpt, "--port", "0", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flags[0]} 100000000: the KV page pools would take" in err
+    assert "GiB of memory of cpu; give " in err and "Traceback" not in err

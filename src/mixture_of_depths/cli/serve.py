@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
+import math
+import os
+import sys
 from typing import Any
 
 from ..checks import Range
+from ..serve.types import Access, Limits, parse_hosts
 
 EXTRA = "mod serve needs the [serve] extra: pip install -e '.[serve]'"
 
@@ -65,6 +70,39 @@ def add_parser(sub: Any, name: str) -> None:
         default=30.0,
         help="seconds SIGTERM waits for the running requests (default: 30)",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="ask every /v1 request for 'Authorization: Bearer KEY' (default: $MOD_API_KEY, "
+        "else none; the variable keeps the key out of the process list)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a name the Host header may give besides IP addresses, localhost and --host "
+        "(repeat, or comma-separate; * allows any): the check keeps web pages out (DNS "
+        "rebinding)",
+    )
+    limits = Limits()
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="open connections; one more gets a 503 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout_s,
+        help="seconds a request's headers may take to arrive, else 408 (default: %(default)g)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.body_timeout_s,
+        help="seconds a request's body may take after its headers, else 408 (default: %(default)g)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--log-level",
@@ -76,8 +114,14 @@ def add_parser(sub: Any, name: str) -> None:
 def _check(args: argparse.Namespace) -> None:
     Range(lo=0, hi=65535, integer=True).check("--port", args.port)
     Range(lo=0).check("--grace (seconds)", args.grace)
+    Range(lo=1, integer=True).check("--max-connections", args.max_connections)
+    for flag in ("--header-timeout", "--body-timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        Range(lo=0, lo_open=True).check(f"{flag} (seconds)", value)
     if not args.model_name.strip():
         raise ValueError("--model-name must not be empty")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty (leave it out to ask for no key)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     ckpt = resolve_checkpoint(args.checkpoint)
-    model, _ = load_model(ckpt, map_location=device)
+    model, cfg = load_model(ckpt, map_location=device)
+    _check_memory(args, cfg, next(model.parameters()).dtype, device)
     engine = Engine(
         model.eval(),
         load_tokenizer(ckpt),
@@ -106,4 +151,51 @@ def run(args: argparse.Namespace) -> int:
         batching=args.batching,
         device=str(device),
     )
-    return serve(engine, args.host, args.port, grace_s=args.grace, log_level=args.log_level)
+    key = args.api_key if args.api_key is not None else os.environ.get("MOD_API_KEY") or None
+    access = Access(api_key=key, allowed_hosts=parse_hosts(args.allowed_host), bound=args.host)
+    if key is None and not _loopback(args.host):
+        print(
+            f"mod serve: warning: listening on {args.host} without an API key: anyone who can "
+            "reach it can run completions; set MOD_API_KEY (or --api-key)",
+            file=sys.stderr,
+        )
+    limits = Limits(args.max_connections, args.header_timeout, args.body_timeout)
+    return serve(
+        engine,
+        args.host,
+        args.port,
+        grace_s=args.grace,
+        log_level=args.log_level,
+        access=access,
+        limits=limits,
+    )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_memory(args: argparse.Namespace, cfg: Any, dtype: Any, device: Any) -> None:
+    """The KV page pools at full size must fit the device's memory: named by the flag that
+    sized them (--kv-pages, else --max-rows full contexts)."""
+    from ..serve.paged import device_memory, pool_bytes
+
+    per_row = math.ceil(cfg.max_seq_len / args.page_size)
+    pages = args.kv_pages if args.kv_pages is not None else args.max_rows * per_row
+    need, have = pool_bytes(cfg, pages, args.page_size, dtype), device_memory(device)
+    if have is None or need <= have:
+        return
+    most = have * pages // need
+    flag, value, fewer = (
+        ("--kv-pages", args.kv_pages, f"--kv-pages {most:,}")
+        if args.kv_pages is not None
+        else ("--max-rows", args.max_rows, f"--max-rows {most // per_row:,} (or a --kv-pages)")
+    )
+    raise ValueError(
+        f"{flag} {value}: the KV page pools would take {need / 2**30:,.1f} GiB at full size "
+        f"({pages:,} pages of {args.page_size} tokens in each of {cfg.n_kv_layers} layers), more "
+        f"than the {have / 2**30:,.1f} GiB of memory of {device}; give {fewer} or fewer"
+    )

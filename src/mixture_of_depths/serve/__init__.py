@@ -6,7 +6,8 @@ batching and a paged KV cache per routed layer (docs/serving.md).
   layer), behind the model's `Cache` protocol;
 - `engine`: `Engine`, the scheduler loop that owns the model: requests join the running batch at
   the next step and leave it the moment they finish;
-- `app`: the HTTP API (FastAPI on uvicorn: the `[serve]` extra); `server`: running it.
+- `app`: the HTTP API (FastAPI on uvicorn: the `[serve]` extra); `guard`: the host check, the
+  API key and the connection limits in front of it; `server`: running it.
 
 The model never imports this package; it uses the library's one forward path.
 """

@@ -23,7 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from .guard import Guard
 from .metrics import CONTENT_TYPE, prometheus_text
 from .openai_api import (
     APIError,
@@ -36,7 +38,7 @@ from .openai_api import (
     usage,
     usage_chunk,
 )
-from .types import QueueFull, RequestError, ShuttingDown
+from .types import Access, QueueFull, RequestError, ShuttingDown
 
 MAX_BODY_BYTES = 1 << 20  # a completion request is text or token ids: 1 MiB is plenty
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection (never sent)
@@ -59,17 +61,21 @@ def create_app(
     tokenizer: Any = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     state: ServeState | None = None,
+    access: Access | None = None,
 ) -> FastAPI:
     """The app serving `engine` (an `Engine`, started by the caller). `tokenizer` (default: the
-    engine's) encodes text prompts and decodes echoed ones."""
+    engine's) encodes text prompts and decodes echoed ones; `access` (default: no key, a server
+    on 127.0.0.1) is who may ask (guard.py)."""
     tok = tokenizer if tokenizer is not None else engine.tokenizer
     st = state if state is not None else ServeState()
     app = FastAPI(title="mod serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = st
+    app.add_middleware(Guard, access=access or Access(), errors=st.errors)
     _error_handlers(app, st)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        _json_only(request.headers.get("content-type"))
         sub, model = _parse(await _read_body(request, max_body_bytes), engine, tok)
         handle = await _submit(engine, sub)
         cid, created = _completion_id(handle.id), now()
@@ -128,6 +134,17 @@ def _error_handlers(app: FastAPI, st: ServeState) -> None:
 
 
 # -- a completion ---------------------------------------------------------------------------------
+def _json_only(content_type: str | None) -> None:
+    """A 415 unless the body is declared JSON: a web page's cross-site "simple" request
+    (text/plain, a form) can then not run a completion without a CORS preflight we refuse."""
+    if (content_type or "").split(";")[0].strip().lower() != "application/json":
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {content_type!r}",
+            code="unsupported_media_type",
+        )
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 past `limit` bytes: by its Content-Length when it has one,
     and as it streams in (a chunked body has none)."""
@@ -138,11 +155,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # it left, or the body timed out (guard.py): nobody to answer
+        raise APIError(CLIENT_CLOSED, "the client left while sending its body") from None
     return b"".join(chunks)
 
 

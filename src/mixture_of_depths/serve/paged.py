@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -91,6 +92,23 @@ class PagePool:
         return self.k.shape[0] * self.page_bytes
 
 
+def pool_bytes(config: MoDConfig, n_pages: int, page_size: int, dtype: torch.dtype) -> int:
+    """The bytes of every cache layer's pool of `n_pages` pages at full size (keys and values);
+    the pools grow to it lazily."""
+    per_page = 2 * page_size * config.n_kv_heads * config.head_dim * dtype.itemsize
+    return config.n_kv_layers * n_pages * per_page
+
+
+def device_memory(device: torch.device | str) -> int | None:
+    """The memory of `device` in bytes (of the machine, for the CPU); None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
 class PagedKVCache:
     """Pages per layer for the rows of a serving engine. Rows are added and freed by id;
     `step(rows, positions)` is one forward's view (the `Cache` protocol)."""
@@ -110,6 +128,12 @@ class PagedKVCache:
             raise ValueError(
                 f"kv_pages={n_pages} cannot hold one row at full context: max_seq_len="
                 f"{config.max_seq_len} at page_size={page_size} needs {row_pages} pages per layer"
+            )
+        need, have = pool_bytes(config, n_pages, page_size, dtype), device_memory(device)
+        if have is not None and need > have:
+            raise ValueError(
+                f"kv_pages={n_pages}: the page pools would take {need / 2**30:,.1f} GiB at full "
+                f"size, more than the {have / 2**30:,.1f} GiB of memory of {device}"
             )
         self.config, self.page_size, self.max_len = config, page_size, config.max_seq_len
         self.device, self.dtype = torch.device(device), dtype

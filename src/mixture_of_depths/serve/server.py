@@ -21,6 +21,8 @@ from typing import Any
 import uvicorn
 
 from .app import ServeState, create_app
+from .guard import protocol
+from .types import Access, Limits
 
 log = logging.getLogger("mixture_of_depths.serve")
 AFTER_DRAIN_S = 5.0  # how long uvicorn waits for connections to close once the engine drained
@@ -85,6 +87,17 @@ def say(text: str) -> None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the life of the process)
 
 
+def uvicorn_config(app: Any, state: ServeState, limits: Limits, **kw: Any) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the guarded protocol (guard.py) and its limits."""
+    return uvicorn.Config(
+        app,
+        http=protocol(limits, state.errors),
+        timeout_keep_alive=limits.keep_alive_s,
+        timeout_graceful_shutdown=int(AFTER_DRAIN_S),
+        **kw,
+    )
+
+
 def serve(
     engine: Any,
     host: str = "127.0.0.1",
@@ -93,19 +106,17 @@ def serve(
     grace_s: float = 30.0,
     tokenizer: Any = None,
     log_level: str = "info",
+    access: Access | None = None,
+    limits: Limits | None = None,
 ) -> int:
     """Serve `engine` until SIGTERM or SIGINT: start it, listen, drain on the first signal.
     Returns the exit status: 0 after a drain (the running requests finished, or the grace
     period ran out and the engine cancelled the rest), 1 after a second signal."""
+    access = access or Access(bound=host)
     sock = bind(host, port)
     state = ServeState()
-    app = create_app(engine, tokenizer=tokenizer, state=state)
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        timeout_graceful_shutdown=int(AFTER_DRAIN_S),
-        timeout_keep_alive=5,
-    )
+    app = create_app(engine, tokenizer=tokenizer, state=state, access=access)
+    config = uvicorn_config(app, state, limits or Limits(), log_level=log_level)
     server = DrainingServer(config, engine, state, grace_s)
     engine.start()
     where = sock.getsockname()
@@ -128,15 +139,23 @@ class ServerThread:
     `stop()`, or `with ServerThread(engine) as s:`. The engine is started and drained by the
     caller. Every wait is bounded."""
 
-    def __init__(self, engine: Any, host: str = "127.0.0.1", port: int = 0, **app_kw: Any):
+    def __init__(
+        self,
+        engine: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: Limits | None = None,
+        **app_kw: Any,
+    ) -> None:
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.state = ServeState()
+        app_kw.setdefault("access", Access(bound=host))
         app = create_app(engine, state=self.state, **app_kw)
         # log_config None: leave the process's logging (pytest's, the benchmark's) alone
-        config = uvicorn.Config(
-            app, log_config=None, log_level="warning", access_log=False,
-            timeout_graceful_shutdown=int(AFTER_DRAIN_S),
+        config = uvicorn_config(
+            app, self.state, limits or Limits(), log_config=None, log_level="warning",
+            access_log=False,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

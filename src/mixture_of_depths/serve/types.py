@@ -1,8 +1,13 @@
 """What the HTTP layer and the engine exchange: a request's sampling settings, the events a
-request yields, and the errors the HTTP layer turns into status codes."""
+request yields, and the errors the HTTP layer turns into status codes; and what `mod serve`
+hands the HTTP layer: who may ask (`Access`) and the connection limits (`Limits`), enforced by
+guard.py (these need no [serve] extra, so the command's flags can show their defaults)."""
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -58,3 +63,53 @@ class QueueFull(RuntimeError):
 
 class ShuttingDown(RuntimeError):
     """The engine is draining for shutdown and admits nothing new (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Connection limits (`mod serve --max-connections --header-timeout --body-timeout`)."""
+
+    max_connections: int = 256
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: int = 5
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may ask: the API key (None: anyone) and the names `Host` may give besides IP
+    addresses, `localhost` and the bound host (`*` among them: any)."""
+
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    bound: str = "127.0.0.1"
+
+    def host_allowed(self, host: str | None) -> bool:
+        if host is None or "*" in self.allowed_hosts:  # HTTP/1.0 sends none: no browser
+            return True
+        name = host.lower()
+        name = name[1 : name.find("]")] if name.startswith("[") else name.rpartition(":")[0] or name
+        name = name.rstrip(".")
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            pass
+        names = {"localhost", _bare(self.bound), *(_bare(h) for h in self.allowed_hosts)}
+        return name in names
+
+    def key_ok(self, authorization: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        ok = hmac.compare_digest(given.strip().encode(), self.api_key.encode())
+        return scheme.lower() == "bearer" and ok
+
+
+def _bare(host: str) -> str:
+    return host.lower().strip("[]").rstrip(".")
+
+
+def parse_hosts(values: Sequence[str] | None) -> tuple[str, ...]:
+    """`--allowed-host` values, each possibly comma-separated."""
+    return tuple(h.strip() for v in values or () for h in v.split(",") if h.strip())
