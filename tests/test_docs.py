@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from printed import run_checked
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -104,20 +106,32 @@ def test_every_failure_in_the_reliability_page_cites_an_existing_test():
     assert cited <= _defined_tests(), sorted(cited - _defined_tests())
 
 
-def test_the_readme_python_tour_runs():
-    """The README's Python snippets, run in order as one script, raise nothing."""
+def test_the_readme_python_tour_runs_and_prints_what_its_comments_say():
+    """The README's Python snippets, run in order as one script, raise nothing, and each
+    ``# -> EXPECTED`` comment holds (tests/printed.py): among them, an untrained model's loss
+    near ln(vocab), which only targets shifted by one give (unshifted, it copies: ~2.6)."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert len(blocks) >= 3
-    exec(compile("\n".join(blocks), "README.md", "exec"), {})  # noqa: S102
+    assert run_checked("\n".join(blocks), "README.md") == []
+
+
+def test_an_unshifted_target_breaks_the_tours_expectation():
+    """The check has teeth: the tour's first snippet with ``targets=x`` fails its comment."""
+    first = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
+    assert "targets=y" in first
+    problems = run_checked(first.replace("targets=y", "targets=x"), "README.md")
+    assert any("vs ln(vocab)" in p for p in problems), problems
 
 
 def test_the_python_blocks_of_the_docs_pages_run():
-    """Each docs page's ```python blocks, run in order as one script per page, raise nothing."""
+    """Each docs page's ```python blocks, run in order as one script per page, raise nothing
+    (and print what their ``# -> EXPECTED`` comments say, where they have some)."""
     ran = 0
     for page in sorted(DOCS.glob("*.md")):
         blocks = _python_blocks(page)
         if blocks:
-            exec(compile("\n".join(blocks), str(page.relative_to(ROOT)), "exec"), {})  # noqa: S102
+            where = str(page.relative_to(ROOT))
+            assert run_checked("\n".join(blocks), where, require=False) == []
             ran += 1
     assert ran >= 2  # the MoDE and KV pages show runnable code
 

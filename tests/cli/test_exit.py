@@ -57,3 +57,11 @@ cli.entry()
     assert "atexit ran" not in proc.stdout  # left with os._exit, past interpreter shutdown
     plain = _run(script)  # outside torchrun: Python's own handling of the error
     assert plain.returncode == 1 and "atexit ran" in plain.stdout
+
+
+def test_mod_version_prints_the_package_version():
+    from mixture_of_depths import __version__
+
+    got = subprocess.run([sys.executable, "-m", "mixture_of_depths", "--version"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert got.returncode == 0 and got.stdout == f"mod {__version__}\n"

@@ -65,6 +65,7 @@ def test_sigterm_stops_the_study_with_the_runs_checkpoint_and_a_rerun_resumes(
             str(data), "--no-progress"]  # fmt: skip
     assert cli.main(args) == 143
     err = capsys.readouterr().err
+    assert err.startswith("tiny: 1 runs to train, 0 done")  # said before any work
     assert "mod study: stopped by SIGTERM after step" in err
     assert "the study stopped: rerun the same command to resume it" in err
     assert runner.load_results(out / "results.jsonl") == []

@@ -263,6 +263,11 @@ def test_cli_train_eval_resume_smoke(corpus: Path, tmp_path: Path, capsys):
     assert main(["eval", str(out / "checkpoint"), "--batches", "1", "--batch-size", "2"]) == 0
     text = capsys.readouterr().out
     assert "validation loss" in text and "layer 1: recall" in text and "paper's accuracy" in text
+    # the run folder stands for its checkpoint (mod eval runs/mod)
+    assert main(["eval", str(out), "--batches", "1", "--batch-size", "2"]) == 0
+    assert capsys.readouterr().out == text
+    model, _ = load_model(out)
+    assert not model.training  # ready to evaluate, as from_pretrained returns a model
     ev = ["eval", str(out / "checkpoint"), "--batches", "1", "--prefill-calibration"]
     assert main([*ev, "--json"]) == 0
     pc = json.loads(capsys.readouterr().out)["prefill_calibration"]

@@ -158,9 +158,12 @@ class BPETokenizer(Tokenizer):
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:
-    """Restore the tokenizer saved in ``directory/tokenizer.json``."""
+    """Restore the tokenizer saved in ``directory/tokenizer.json`` (a checkpoint; a run folder
+    stands for its checkpoint, as in `load_model`)."""
     directory = Path(directory)
     path = directory if directory.is_file() else directory / TOKENIZER_FILE
+    if not path.is_file() and (directory / "checkpoint" / TOKENIZER_FILE).is_file():
+        path = directory / "checkpoint" / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer file at {path}")
     try:

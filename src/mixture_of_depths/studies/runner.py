@@ -391,8 +391,8 @@ def study(
     done = {r["name"] for r in results}
     specs = plan.runs(settings)
     n_total = len(specs) + 2 * len(settings.budgets)
-    print(f"study: {n_total - len(done)} runs to train, {len(done)} of {n_total} done",
-          file=sys.stderr)  # fmt: skip
+    print(f"{plan.name}: {sum(sp.name not in done for sp in specs)} runs to train, {len(done)} "
+          "done; the grid's second seeds come on top", file=sys.stderr)  # fmt: skip
     bar = tqdm(total=n_total, initial=len(done), desc="study", unit="run", disable=not progress)
     pending = list(specs)
     groups: dict[Any, list[RunSpec]] = {}  # the grid's runs by seed group, in plan order
