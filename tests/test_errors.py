@@ -59,10 +59,11 @@ def test_cli_zero_is_not_the_default(finished_run, capsys):
     _, out = finished_run
     ck = str(out / "checkpoint")
     for args, field in (
-        (["eval", ck, "--batches", "0"], "n_batches"),
-        (["eval", ck, "--batch-size", "0"], "batch_size"),
-        (["flops", "--seq-len", "0"], "seq_len"),
-        (["flops", "--batch-size", "0"], "batch_size"),
+        (["eval", ck, "--batches", "0"], "--batches"),
+        (["eval", ck, "--batch-size", "0"], "--batch-size"),
+        (["calibrate", ck, "--out", str(out / "cal"), "--batches", "0"], "--batches"),
+        (["flops", "--seq-len", "0"], "--seq-len"),
+        (["flops", "--batch-size", "0"], "--batch-size"),
         (["generate", "--checkpoint", ck, "--prompt", "x", "--top-k", "0"], "top_k"),
         (["generate", "--checkpoint", ck, "--prompt", "x", "--temperature", "nan"], "temperature"),
     ):

@@ -128,6 +128,87 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+# Marks a `.NAME.old` folder as the previous NAME that `place_folder` moved aside: only such a
+# folder is ever deleted (a user's `.NAME.old` is not ours to remove).
+OLD_MARK = ".moved-aside-by-mod"
+
+
+def _temps(folder: Path) -> str:
+    return f".{folder.name}.*.tmp"  # what `staging` makes for `folder`
+
+
+def empty_folder(folder: Path) -> bool:
+    """Whether `folder` holds nothing but what writes of it cut short left."""
+    return all(p.match(_temps(folder)) for p in Path(folder).iterdir())
+
+
+def staging(final: Path) -> tuple[Path, Path]:
+    """Where folder `final` goes (a symlink's target) and a new temporary folder to write it in
+    on the same filesystem: inside `final` when that is an existing empty folder, so that
+    `place_folder` fills it and it keeps its owner, mode and links; else beside it. Temporary
+    folders of earlier writes cut short go first (one writer per folder is assumed)."""
+    final = Path(final)
+    place = final.resolve() if final.is_symlink() else final
+    for where in (place.parent, place):
+        if where.is_dir():
+            remove_temps(where, _temps(place))
+    into = place.is_dir() and not any(place.iterdir())
+    if not into:
+        place.parent.mkdir(parents=True, exist_ok=True)
+    where = place if into else place.parent
+    return place, Path(tempfile.mkdtemp(dir=where, prefix=f".{place.name}.", suffix=".tmp"))
+
+
+def place_folder(tmp: Path, final: Path) -> None:
+    """Make the complete folder `tmp` (from `staging(final)`) the folder `final`, atomically
+    for a reader: an empty `final` gets `tmp`'s files moved in, `config.json` last (a folder
+    without it is no checkpoint); else `tmp` is renamed into place, the previous `final` kept as
+    `.NAME.old` (marked as ours) until the new one is there. A `.NAME.old` that is not ours is
+    never deleted: replacing `final` beside one is refused."""
+    fsync_dir(tmp)
+    if tmp.parent == final:
+        for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+            os.replace(tmp / name, final / name)
+        os.rmdir(tmp)
+        fsync_dir(final)
+        return
+    old = final.with_name(f".{final.name}.old")
+    ours = old.is_dir() and not old.is_symlink() and (old / OLD_MARK).exists()
+    if final.exists():
+        if ours:  # `final` is whole, so the copy a crash left may go
+            shutil.rmtree(old)
+        elif old.exists() or old.is_symlink():
+            raise FileExistsError(
+                f"{old} is in the way of replacing {final}: it is not a previous copy that mod "
+                "moved aside, so it is left alone; move it elsewhere"
+            )
+        (final / OLD_MARK).touch()
+        os.replace(final, old)
+        ours = True
+    # (If only our `old` exists, a crash hit between the renames: it stays until `tmp` is placed.)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if ours:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_out_folder(out: Path, flag: str = "--out") -> None:
+    """Refuse, before any work, a folder a command could not write its output to: a file, a
+    folder holding anything, a place under a file, or one this user cannot write to."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is a file, not a folder: give a new or empty folder")
+    if out.is_dir() and not empty_folder(out):
+        raise ValueError(f"{flag} {out} exists and is not empty: give a new or empty folder")
+    where = out.resolve()
+    while not where.exists():
+        where = where.parent
+    if not where.is_dir():
+        raise ValueError(f"{flag} {out}: {where} is a file, not a folder")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {out}: {where} is not writable by this user")
+
+
 def remove_temps(folder: Path, pattern: str) -> None:
     """Remove the temporary files and folders matching `pattern` in `folder`: what writes cut
     short by a crash left (``atomic_write``'s temp files, a checkpoint's copy folder)."""

@@ -45,9 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
     ) from exc
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from .cache import KVCache
@@ -64,7 +62,7 @@ from .convert import (
     to_llama,
 )
 from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
-from .fileio import plain_modes
+from .fileio import empty_folder, place_folder, plain_modes, staging
 from .model import IGNORE_INDEX, MoDTransformer
 from .runtime.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 
@@ -356,19 +354,16 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
 
 
 def _write_folder(out: str | Path, write: Any) -> Path:
-    """`write(tmp)` into a temporary folder beside `out`, then renamed to `out` (which must not
-    exist, or be empty): a folder complete or absent."""
+    """`write(tmp)` into a temporary folder, then placed as `out` (which must not exist, or be
+    empty: it is then filled, keeping its mode and links): a folder complete or absent."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and (not out.is_dir() or not empty_folder(out)):
         raise FileExistsError(f"{out} exists and is not an empty folder: pick another")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    place, tmp = staging(out)
     try:
         write(tmp)
         plain_modes(tmp)  # not mkdtemp's 0700 (nor 0600 files): what a plain mkdir would give
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        place_folder(tmp, place)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

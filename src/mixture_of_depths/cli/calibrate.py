@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ..calibrate import causal_take_rates, fit_and_held, fit_thresholds, targets
+from ..checks import POSITIVE_INT
 from ..data import load_tokenizer
-from ..fileio import json_text
+from ..fileio import check_out_folder, json_text
 from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint, save_checkpoint
 from ..runtime.device import resolve_device
 from ..train import evaluate
@@ -44,8 +45,8 @@ def add_parser(sub: Any, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out} exists and is not empty: give a new folder")
+    check_out_folder(out, "--out")  # before the work, not after it
+    POSITIVE_INT.check("--batches", args.batches)
     device = resolve_device(args.device)
     ckpt = resolve_checkpoint(args.checkpoint)
     model, cfg = load_model(ckpt, map_location=device)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import types
+from pathlib import Path
 from typing import Any
 
 from ..config import FIELD_CHOICES
 from ..convert import convert_folder, read_config
+from ..fileio import check_out_folder
 from ..runtime.checkpoint import consolidate_checkpoint, load_config, resolve_checkpoint
 
 
@@ -106,6 +108,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    check_out_folder(Path(args.out), "--out")
     if read_config(args.from_hf).get("model_type") == "mixture_of_depths":
         out = _hf().import_pretrained(args.from_hf, args.out)
         print(f"{out}: checkpoint of {args.from_hf}")

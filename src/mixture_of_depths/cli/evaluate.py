@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..checks import Range
 from ..fileio import json_text
 from ..train import evaluate_checkpoint, format_eval_lines
 from .flags import ShowDefaults
@@ -43,6 +44,8 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
+        Range(lo=1, integer=True, optional=True).check(flag, value)  # the flag, not the field
     res = evaluate_checkpoint(
         args.checkpoint,
         data=args.data,

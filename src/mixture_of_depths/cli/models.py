@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..checks import Range
 from ..config import PRESETS, MoDConfig
 from ..fileio import json_text
 from ..flops import estimate_flops, format_report
@@ -61,6 +62,8 @@ def add_presets(sub: Any, name: str) -> None:
 
 
 def run_flops(args: argparse.Namespace) -> int:
+    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
+        Range(lo=1, integer=True, optional=True).check(flag, value)  # the flag, not the field
     if args.checkpoint is not None:
         cfg = load_config(args.checkpoint)
     else:

@@ -16,15 +16,16 @@ files and their sizes. Every reader here takes both kinds;
 
 The directory is written under a temporary name and renamed into place, so a crash leaves either the
 old checkpoint or the new one, never a mixture; the temporary folder a crash leaves behind is
-removed by the next save. Weights that are not finite are never written. Nothing is ever
-unpickled, and a damaged or foreign file is a `CheckpointError` that names it.
+removed by the next save. An existing empty folder (or a symlink's target) is filled instead of
+replaced, and a `.NAME.old` that mod did not move aside is never deleted (`fileio.place_folder`).
+Weights that are not finite are never written. Nothing is ever unpickled, and a damaged or foreign
+file is a `CheckpointError` that names it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ from ..fileio import (
     atomic_save_tensors,
     fsync_dir,
     is_disk_full,
+    place_folder,
     read_json,
     remove_temps,
+    staging,
     umask_mode,
     write_json,
 )
@@ -180,9 +183,7 @@ def save_checkpoint(
             f"refusing to write checkpoint {final}: {len(bad)} tensors hold NaN or infinity "
             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
         )
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(final)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    final, tmp = staging(final)
     try:
         os.chmod(tmp, umask_mode(0o777))
         write_json(tmp / "config.json", config.to_dict())
@@ -195,7 +196,7 @@ def save_checkpoint(
             write_json(tmp / "trainer.json", trainer_state)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        _place(tmp, final)
+        place_folder(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(exc):  # one line naming the file and what survived, not a traceback
@@ -247,9 +248,7 @@ def save_sharded_checkpoint(
     made, setup_error = None, None
     if env.is_main:
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(final)
-            made = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+            final, made = staging(final)
             os.chmod(made, umask_mode(0o777))
         except OSError as exc:  # every rank must learn of it, not wait for a folder
             setup_error = exc
@@ -281,7 +280,7 @@ def save_sharded_checkpoint(
             write_json(tmp / "trainer.json", trainer_state)
             if tokenizer is not None:
                 tokenizer.save(tmp)
-            _place(tmp, final)
+            place_folder(tmp, final)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         failure = exc
         if env.is_main:
@@ -321,28 +320,13 @@ def _check_shard_files(d: Path) -> None:
         )
 
 
-def _place(tmp: Path, final: Path) -> None:
-    """Rename the complete folder `tmp` into place as `final`, keeping the previous checkpoint
-    until the new one is there."""
-    fsync_dir(tmp)
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        # `final` is good, so a stale `old` may go; then keep the previous checkpoint as `old`
-        # until the new one is in place.
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    # (If only `old` exists, a crash hit between the renames: it stays until `tmp` is placed.)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def resolve_checkpoint(directory: str | Path) -> Path:
     """The checkpoint directory, or its previous version if a crash hit between the two renames.
     A run folder (`mod train --out`) stands for the checkpoint inside it: `mod eval runs/mod`."""
     d = Path(directory)
     for where in (d, d / "checkpoint"):
-        for ckpt in (where, where.with_name(f".{where.name}.old")):
+        real = where.resolve() if where.is_symlink() else where  # a link's `.old` is its target's
+        for ckpt in (where, real.with_name(f".{real.name}.old")):
             if (ckpt / "config.json").exists():
                 return ckpt
     raise FileNotFoundError(
