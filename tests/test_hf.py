@@ -169,6 +169,7 @@ def test_export_and_convert_back_through_the_cli(tmp_path, capsys, kind, routing
     out = tmp_path / "hf"
     assert main(["export", str(ckpt), "--hf", str(out)]) == 0
     assert "transformers folder" in capsys.readouterr().out
+    assert "import mixture_of_depths.hf" in (out / "README.md").read_text()  # what it needs
     tok = transformers.AutoTokenizer.from_pretrained(out)
     sample = "return 'héllo' + x"
     assert tok(sample)["input_ids"] == tokenizer.encode(sample)

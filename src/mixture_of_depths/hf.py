@@ -385,8 +385,30 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     def write(tmp: Path) -> None:
         hf.save_pretrained(tmp)
         hf_tokenizer(tokenizer).save_pretrained(tmp)
+        (tmp / "README.md").write_text(EXPORT_README)
 
     return _write_folder(out, write)
+
+
+# What an exported folder says about itself: transformers does not know the model type until
+# our module registers it (without it, transformers suggests upgrading transformers).
+EXPORT_README = """# A Mixture-of-Depths model (mixture-of-depths)
+
+Written by `mod export`. transformers loads it once `mixture_of_depths.hf` is imported, which
+registers the model type `mixture_of_depths` (without the import transformers does not know
+the type and suggests upgrading itself):
+
+```python
+import mixture_of_depths.hf  # noqa: F401  (registers the model type)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("this/folder")  # routes causally in eval mode
+tokenizer = AutoTokenizer.from_pretrained("this/folder")
+```
+
+Install the package with its `hf` extra (from its repository: `pip install -e '.[hf]'`).
+A dense model exports to a plain Llama folder instead: `mod export CKPT --llama OUT`.
+"""
 
 
 def export_llama(checkpoint: str | Path, out: str | Path) -> Path:
