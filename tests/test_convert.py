@@ -354,7 +354,7 @@ def test_a_broken_index_or_shard_is_named(tmp_path, capsys, name, how, message):
 def test_commands_that_load_a_checkpoint_say_how_to_convert_a_hf_folder(tmp_path, capsys, command):
     src, _ = llama_folder(tmp_path / "llama")
     args = {
-        "generate": ["--checkpoint", str(src), "--prompt", "def"],
+        "generate": [str(src), "--prompt", "def"],
         "eval": [str(src), "--data", str(tmp_path)],
         "inspect": [str(src)],
     }[command]

@@ -64,8 +64,8 @@ def test_cli_zero_is_not_the_default(finished_run, capsys):
         (["calibrate", ck, "--out", str(out / "cal"), "--batches", "0"], "--batches"),
         (["flops", "--seq-len", "0"], "--seq-len"),
         (["flops", "--batch-size", "0"], "--batch-size"),
-        (["generate", "--checkpoint", ck, "--prompt", "x", "--top-k", "0"], "top_k"),
-        (["generate", "--checkpoint", ck, "--prompt", "x", "--temperature", "nan"], "temperature"),
+        (["generate", ck, "--prompt", "x", "--top-k", "0"], "top_k"),
+        (["generate", ck, "--prompt", "x", "--temperature", "nan"], "temperature"),
     ):
         assert main(args) == 2, args
         assert f"error: {field}" in capsys.readouterr().err, args

@@ -88,7 +88,7 @@ def test_mor_trains_saves_loads_and_generates_through_the_commands(
     idx = random_tokens(2, 16, seed=1) % cfg.vocab_size
     for routing in ("topk", "causal"):
         assert model(idx, routing=routing).routes[0].kind == "recursion"
-    main(["generate", "--checkpoint", str(out / "checkpoint"), "--prompt", "def ",
+    main(["generate", str(out / "checkpoint"), "--prompt", "def ",
           "--max-new-tokens", "5", "--show-routing"])  # fmt: skip
     shown = capsys.readouterr().out
     assert ("step capacities 50.0%, 25.0%" if router == "expert" else "balanced depths") in shown

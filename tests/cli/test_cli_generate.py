@@ -66,3 +66,36 @@ def test_control_bytes_a_model_emits_are_shown_as_escapes_on_a_terminal(
     monkeypatch.setattr(sys, "stdout", piped)
     assert main(argv) == 0
     assert OURS.sub("", piped.getvalue()).startswith("é\tx\n" + "\x1b" * 3)
+
+
+def test_the_checkpoint_comes_first_and_the_old_flag_still_works(escaping_model, capsys):
+    """One convention: a command that reads a checkpoint takes it as its first positional
+    argument; `--checkpoint` still works, with a note on stderr."""
+    ck = str(escaping_model)
+    args = ["--prompt", "ab", "--max-new-tokens", "3", "--temperature", "0"]
+    assert main(["generate", ck, *args]) == 0
+    new = capsys.readouterr()
+    assert main(["generate", "--checkpoint", ck, *args]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out and new.err == ""
+    assert "--checkpoint is deprecated: give the checkpoint first: mod generate CKPT" in old.err
+    assert main(["generate", *args]) == 2
+    assert "mod generate: error: give a checkpoint: mod generate CKPT" in capsys.readouterr().err
+    assert main(["generate", ck, "--checkpoint", ck, *args]) == 2
+    assert "give the checkpoint once" in capsys.readouterr().err
+    assert main(["flops", ck]) == 0
+    flops = capsys.readouterr()
+    assert main(["flops", "--checkpoint", ck]) == 0
+    old = capsys.readouterr()
+    assert old.out == flops.out and "mod flops CKPT" in old.err
+    assert main(["flops", "--preset", "tiny"]) == 0  # a preset needs no checkpoint
+
+
+def test_a_tiny_temperature_in_mod_generate_is_greedy(escaping_model, capsys):
+    ck = str(escaping_model)
+    outs = []
+    for t in ("0", "1e-40", "5e-324"):
+        assert main(["generate", ck, "--prompt", "x", "--max-new-tokens", "4",
+                     "--temperature", t, "--seed", "1"]) == 0  # fmt: skip
+        outs.append(capsys.readouterr().out)
+    assert outs[1] == outs[2] == outs[0]

@@ -377,7 +377,7 @@ def test_cli_generate_streams_what_generate_samples(corpus: Path, tmp_path: Path
     )
     ids = [t for t in want.tokens[0] if t != tok.eot_id]
     capsys.readouterr()
-    base = ["generate", "--checkpoint", str(ckpt), "--prompt", prompt, "--temperature", "0"]
+    base = ["generate", str(ckpt), "--prompt", prompt, "--temperature", "0"]
     assert main([*base, "--max-new-tokens", str(n)]) == 0
     assert capsys.readouterr().out == prompt + tok.decode(ids) + "\n"
     assert main([*base, "--max-new-tokens", str(n), "--show-routing"]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from typing import Any
@@ -42,6 +43,29 @@ def comma_floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated numbers such as 0.25,0.125, got {text!r}"
         ) from None
+
+
+def add_checkpoint(parser: argparse.ArgumentParser, text: str) -> None:
+    """The checkpoint as the first positional argument, as every command that reads one takes
+    it; the older `--checkpoint` flag still works (`checkpoint_arg` notes it is deprecated)."""
+    parser.add_argument("checkpoint", nargs="?", metavar="CKPT", help=text)
+    parser.add_argument("--checkpoint", dest="checkpoint_flag", help=argparse.SUPPRESS)
+
+
+def checkpoint_arg(args: argparse.Namespace, command: str, required: bool = True) -> str | None:
+    """The checkpoint given (see `add_checkpoint`), or an error saying how to give one."""
+    usage = f"mod {command} CKPT ..."
+    if args.checkpoint_flag is not None:
+        if args.checkpoint is not None:
+            raise ValueError(f"give the checkpoint once: {usage}")
+        print(
+            f"mod {command}: note: --checkpoint is deprecated: give the checkpoint first: {usage}",
+            file=sys.stderr,
+        )
+        return args.checkpoint_flag
+    if args.checkpoint is None and required:
+        raise ValueError(f"give a checkpoint: {usage}")
+    return args.checkpoint
 
 
 def add_preset_flag(parser: argparse.ArgumentParser) -> None:

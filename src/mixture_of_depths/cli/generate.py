@@ -14,6 +14,7 @@ from ..data import load_tokenizer
 from ..generate import Generation, router_names, stream
 from ..runtime.checkpoint import load_model, resolve_checkpoint
 from ..runtime.device import resolve_device
+from .flags import add_checkpoint, checkpoint_arg
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -23,10 +24,15 @@ def add_parser(sub: Any, name: str) -> None:
         description="Sample from a trained model with causal routing and a KV cache that holds "
         "only the tokens that took each routed block.",
     )
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    add_checkpoint(p, "checkpoint directory (or a run folder)")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="0 (or below 1e-5) is greedy (default: 0.8)",
+    )
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="makes the sample reproducible")
@@ -70,7 +76,7 @@ def _paint(text: str, count: int, total: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    ckpt = resolve_checkpoint(args.checkpoint)
+    ckpt = resolve_checkpoint(checkpoint_arg(args, "generate"))
     model, cfg = load_model(ckpt, map_location=device)
     tokenizer = load_tokenizer(ckpt)
     prompt = tokenizer.encode(args.prompt)

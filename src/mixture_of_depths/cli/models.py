@@ -14,7 +14,14 @@ from ..fileio import json_text
 from ..flops import estimate_flops, format_report
 from ..model import MoDTransformer
 from ..runtime.checkpoint import load_config
-from .flags import DEFAULT_PRESET, add_dataclass_flags, add_preset_flag, given
+from .flags import (
+    DEFAULT_PRESET,
+    add_checkpoint,
+    add_dataclass_flags,
+    add_preset_flag,
+    checkpoint_arg,
+    given,
+)
 
 
 def add_flops(sub: Any, name: str) -> None:
@@ -24,8 +31,8 @@ def add_flops(sub: Any, name: str) -> None:
         description="Analytic FLOPs of a model (training, top-k forward, decode) per layer, "
         "counted the way torch's FlopCounterMode counts them, beside its dense twin.",
     )
+    add_checkpoint(p, "take the model config from a checkpoint (default: --preset's)")
     add_preset_flag(p)
-    p.add_argument("--checkpoint", default=None, help="take the model config from a checkpoint")
     p.add_argument("--seq-len", type=int, default=None, help="(default: the model's max_seq_len)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument(
@@ -64,8 +71,9 @@ def add_presets(sub: Any, name: str) -> None:
 def run_flops(args: argparse.Namespace) -> int:
     for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
         Range(lo=1, integer=True, optional=True).check(flag, value)  # the flag, not the field
-    if args.checkpoint is not None:
-        cfg = load_config(args.checkpoint)
+    ckpt = checkpoint_arg(args, "flops", required=False)
+    if ckpt is not None:
+        cfg = load_config(ckpt)
     else:
         cfg = MoDConfig.preset(args.preset or DEFAULT_PRESET, **given(args, MoDConfig))
     report = estimate_flops(

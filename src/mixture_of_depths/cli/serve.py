@@ -73,6 +73,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--api-key",
         default=None,
+        metavar="KEY",
         help="ask every /v1 request for 'Authorization: Bearer KEY' (default: $MOD_API_KEY, "
         "else none; the variable keeps the key out of the process list)",
     )
