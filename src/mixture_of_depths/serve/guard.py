@@ -97,7 +97,7 @@ class GuardedH11Protocol(H11Protocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if self.cycle is None or not self.cycle.response_started:  # nothing sent: say why
+        if phase == "headers" or not self.cycle.response_started:  # nothing sent: say why
             self.errors[408] += 1
             msg = f"the request's {phase} did not arrive within {wait:g} s"
             self.transport.write(_raw(408, "Request Timeout", msg, "request_timeout"))
