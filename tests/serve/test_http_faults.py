@@ -214,6 +214,8 @@ def test_an_api_key_comes_from_the_flag_or_the_environment_and_open_binds_warn(
     assert no_serving["access"].api_key == "from-flag"
     assert main(["serve", *ckpt, "--api-key", " "]) == 2
     assert "--api-key must not be empty" in capsys.readouterr().err
+    assert main(["serve", *ckpt, "--page-size", "0"]) == 2  # before any division by it
+    assert "error: --page-size must be a positive integer, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--kv-pages", "100000000"], ["--max-rows", "100000000"]])

@@ -115,7 +115,9 @@ def add_parser(sub: Any, name: str) -> None:
 def _check(args: argparse.Namespace) -> None:
     Range(lo=0, hi=65535, integer=True).check("--port", args.port)
     Range(lo=0).check("--grace (seconds)", args.grace)
-    Range(lo=1, integer=True).check("--max-connections", args.max_connections)
+    for flag in ("--max-connections", "--max-rows", "--page-size", "--kv-pages"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        Range(lo=1, integer=True, optional=flag == "--kv-pages").check(flag, value)
     for flag in ("--header-timeout", "--body-timeout"):
         value = getattr(args, flag[2:].replace("-", "_"))
         Range(lo=0, lo_open=True).check(f"{flag} (seconds)", value)
