@@ -15,8 +15,9 @@ Each run trains for floor(budget / training FLOPs per step) (`estimate_flops`, w
 "residual" its skippers' K/V projections and its routed queries' attention over every key). After
 training, each model is measured with nothing else of the study running (`measure`, with the
 shared `experiments.common.measure`): the KV bytes per token its cache held (bf16), the
-prefill calibration of `generate.prefill_calibration` (teacher-forced loss after a causal against a top-k prefill of
-half the sequence, and the share of prompt decisions that differ), and decode tokens/s at batch
+prefill calibration of `generate.prefill_calibration` (teacher-forced loss after a causal
+against a top-k prefill of half the sequence, and the share of prompt decisions that differ),
+and decode tokens/s at batch
 1 and 8, the models of each budget and length side by side (`measure.decode_speeds`: one thread,
 a prompt of half the sequence, 128 greedy tokens, the median of 15 interleaved rounds).
 Measurements are kept in ``measures.jsonl`` and ``decode.jsonl``; delete one to measure again.
