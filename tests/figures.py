@@ -4,16 +4,23 @@ from. A page quotes a figure between markers:
     <!-- figure docs/bench/cpu-small.txt train[seq_len=1024][model=c=0.125].speedup|.3f -->
     1.800<!-- /figure -->    (on one line)
 
-naming the file (from the repository root) and where in it the figure is:
+naming the file (from the repository root) and where in it the figure is: either ``/REGEX/``,
+its first group in the file's text (markdown reports, text tables), quoted verbatim; or
+``EXPR``, optionally followed by ``*SCALE`` (``*1e-6``: in millions) and ``|FORMAT``, a Python
+format spec (``.3f``, ``.1%``, ``,.0f``), which gives a number. ``EXPR`` is terms joined by
+`` over ``, `` minus `` or `` plus ``, worked out left to right (``A minus B over B``: the
+change from B), each term one of:
 
 - a key path into the file's JSON: a ``.json`` file, a ``.jsonl`` file (a list of its rows), or
-  a command's output whose last line starting with ``{`` is JSON (``mod bench``'s), or two
-  such paths as ``A over B`` (their ratio), then optionally ``*SCALE`` (``*1e-6``: in
-  millions) and ``|FORMAT``, a Python format spec
-  (``.3f``, ``.1%``, ``,.0f``); a path step is a key (``[a.b]`` for a key with dots), a list
-  index, or ``[key=value]``, the rows whose key prints as value (the first that all such steps
-  in a row keep);
-- or ``/REGEX/``: its first group in the file's text (markdown reports, text tables), verbatim.
+  a command's output whose last line starting with ``{`` is JSON (``mod bench``'s). A path step
+  is a key (``[a.b]`` for a key with dots, ``["c=1"]`` for any key), a list index, or
+  ``[key=value]``: the rows whose key
+  prints as value (``*`` and ``?`` match any text and any one character); a path takes the
+  first row that all such steps in a row keep;
+- ``mean(PATH)``, ``min(PATH)``, ``max(PATH)``, ``sum(PATH)``, ``count(PATH)``: over every
+  row the path's ``[key=value]`` steps keep (and every item of a list value);
+- ``/REGEX/``: its first group in the file's text, as a number (commas dropped);
+- a number.
 
 ``python tests/figures.py`` (from the repository root) rewrites what lies between the markers
 from the files; tests/test_figures.py fails where a quote is stale or its file or key is gone.
@@ -25,12 +32,18 @@ from __future__ import annotations
 import json
 import re
 import sys
+from fnmatch import fnmatchcase
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE = re.compile(r"<!-- figure (\S+) (.+?) -->(.*?)<!-- /figure -->", re.S)
-STEP = re.compile(r"\[([^\]=]+)=([^\]]*)\]|\[([^\]]+)\]|\.?([^.\[]+)")
+STEP = re.compile(r'\["([^"]*)"\]|\[([^\]=]+)=([^\]]*)\]|\[([^\]]+)\]|\.?([^.\[]+)')
+TAIL = re.compile(r"(.*?)(?:\*([-+]?[\d.]+(?:e[-+]?\d+)?))?(?:\\?\|([^|/\])]*))?", re.S)
+OPS = {"over": lambda a, b: a / b, "minus": lambda a, b: a - b, "plus": lambda a, b: a + b}
+REDUCE = {"mean": fmean, "min": min, "max": max, "sum": sum, "count": len}
+NUMBER = re.compile(r"[-+]?[\d.]+(?:e[-+]?\d+)?")
 
 
 def pages(root: Path = ROOT) -> list[Path]:
@@ -51,35 +64,91 @@ def load(path: Path) -> Any:
     return json.loads(last[-1])
 
 
-def lookup(doc: Any, path: str) -> Any:
-    """The value at a key path such as ``train[seq_len=256][model=c=0.125].tokens_per_s``."""
-    rows = None  # the rows the ``[key=value]`` steps so far keep (they all must hold)
+def reach(doc: Any, path: str, every: bool = False) -> list[Any]:
+    """The values at a key path such as ``train[seq_len=256][model=c=0.125].tokens_per_s``: the
+    first row's (a list of one), or with `every` every row's that the ``[key=value]`` steps keep."""
+    docs, filtering = [doc], False
     for m in STEP.finditer(path):
-        key, want, literal, name = m.groups()
-        name = literal or name
+        quoted_key, key, want, literal, name = m.groups()
         if key is not None:
-            rows = [r for r in (doc if rows is None else rows) if str(r.get(key)) == want]
+            rows = docs if filtering else [r for d in docs if isinstance(d, list) for r in d]
+            docs = [r for r in rows if isinstance(r, dict) and fnmatchcase(str(r.get(key)), want)]
+            filtering = True
             continue
-        if rows is not None:
-            doc, rows = rows[0], None
-        doc = doc[int(name)] if isinstance(doc, list) else doc[name]
-    return doc if rows is None else rows[0]
+        docs, filtering = docs if every or not filtering else docs[:1], False
+        name = quoted_key if quoted_key is not None else literal or name
+        docs = [d[int(name)] if isinstance(d, list) else d[name] for d in docs]
+    docs = docs if every or not filtering else docs[:1]
+    if not docs:
+        raise KeyError(f"no row has {path}")
+    return docs
+
+
+def lookup(doc: Any, path: str) -> Any:
+    """The value at a key path (the first row's where its steps keep several)."""
+    return reach(doc, path)[0]
+
+
+def terms(expr: str) -> list[str]:
+    """`expr` cut at its operators (`` over ``, `` minus ``, `` plus ``) outside brackets,
+    parentheses and regexes: term, operator, term, ..."""
+    out, start, depth, i = [], 0, 0, 0
+    while i < len(expr):
+        c = expr[i]
+        if c == "/" and i == start:  # a regex term runs to its next unescaped slash
+            i += 1
+            while i < len(expr) and (expr[i] != "/" or expr[i - 1] == "\\"):
+                i += 1
+        elif c in "[(":
+            depth += 1
+        elif c in "])":
+            depth -= 1
+        elif c == " " and depth == 0:
+            word = expr[i + 1 :].split(" ", 1)[0]
+            if word in OPS and expr[i + 1 + len(word) : i + 2 + len(word)] == " ":
+                out += [expr[start:i], word]
+                start = i = i + len(word) + 2
+                continue
+        i += 1
+    return [*out, expr[start:]]
+
+
+def number(term: str, path: Path, doc: Any) -> float:
+    """One term's number (see the module docstring)."""
+    if term.startswith("/") and term.endswith("/") and len(term) > 1:
+        m = re.search(term[1:-1], path.read_text())
+        if m is None:
+            raise KeyError(f"no match for {term}")
+        return float(m.group(1).replace(",", ""))
+    if NUMBER.fullmatch(term):
+        return float(term)
+    fn, _, inner = term.partition("(")
+    if fn in REDUCE and inner.endswith(")"):
+        found = reach(doc(), inner[:-1], every=True)
+        return REDUCE[fn]([x for v in found for x in (v if isinstance(v, list) else [v])])
+    return lookup(doc(), term)
 
 
 def value(source: str, locator: str, root: Path = ROOT) -> str:
     """The text a figure's markers should hold: `locator` applied to the file `source`."""
     path = root / source
-    if locator.startswith("/") and locator.endswith("/"):
-        m = re.search(locator[1:-1], path.read_text())
+    expr, scale, spec = TAIL.fullmatch(locator).groups()
+    parts = terms(expr)
+    if len(parts) == 1 and expr[:1] == expr[-1:] == "/" and not scale and spec is None:
+        m = re.search(expr[1:-1], path.read_text())  # a regex quoted verbatim
         if m is None:
             raise KeyError(f"{source}: no match for {locator}")
         return m.group(1)
-    key, _, spec = locator.partition("|")
-    key, _, scale = key.partition("*")
-    doc = load(path)
-    top, _, bottom = key.partition(" over ")  # a ratio of two values of the file
-    got = lookup(doc, top) / lookup(doc, bottom) if bottom else lookup(doc, key)
-    return format(got * float(scale) if scale else got, spec)
+    cache: list[Any] = []
+
+    def doc() -> Any:
+        cache[:] = cache or [load(path)]
+        return cache[0]
+
+    got = number(parts[0], path, doc)
+    for op, term in zip(parts[1::2], parts[2::2], strict=True):
+        got = OPS[op](got, number(term, path, doc))
+    return format(got * float(scale) if scale else got, spec or "")
 
 
 def quoted(text: str, root: Path = ROOT) -> tuple[str, list[str]]:

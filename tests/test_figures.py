@@ -13,7 +13,7 @@ import pytest
 ROOT = figures.ROOT
 # Pages whose figures from runs all come from committed files through markers (the rest of
 # docs/ is not yet converted: their figures are checked by their own studies' tests or not).
-MARKED = ("README.md", "docs/inspect.md", "docs/semantics.md")
+MARKED = ("README.md", "docs/inspect.md", "docs/semantics.md", "docs/bench.md")
 
 
 def test_every_figure_is_its_files_and_exists():
@@ -48,6 +48,82 @@ def test_a_figure_is_rewritten_from_its_file_and_a_gone_key_is_named(tmp_path):
     got = re.findall(r"-->([^<]*)<!-- /figure", new)
     assert got == ["1.781", "3.01", "6568", "1"]
     assert len(missing) == 1 and "train[T=9]" in missing[0]
+
+
+def test_the_key_language_reduces_rows_matches_names_and_does_arithmetic(tmp_path):
+    rows = [{"name": "x-s0", "f": 1.0, "l": [0.5, 0.7]}, {"name": "x-s1", "f": 2.0, "l": [0.6]}]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "k.json").write_text('{"c=1": {"v": 4.0}, "a.b": 2.0}')
+    (tmp_path / "t.txt").write_text("| 0.125 | 6,568 | 0.8 |\n")
+    cases = {
+        ("r.jsonl", "mean([name=x-s?].f)|.2f"): "1.50",
+        ("r.jsonl", "max([name=x-*].l)|.1f"): "0.7",
+        ("r.jsonl", "count([name=x-*])"): "2",
+        ("r.jsonl", "[name=x-s1].f over [name=x-s0].f minus 1|+.0%"): "+100%",
+        ("k.json", '["c=1"].v minus [a.b] over [a.b]\\|.1f'): "1.0",
+        ("t.txt", r"/\| 0\.125 \| ([\d,]+)/ over /([\d.]+) \|\n/*1e-3|,.2f"): "8.21",
+        ("t.txt", r"/\| 0\.125 \| ([\d,]+)/"): "6,568",
+    }
+    for (source, locator), want in cases.items():
+        assert figures.value(source, locator, tmp_path) == want, locator
+
+
+def test_a_figure_in_a_table_row_escapes_its_pipes():
+    """GitHub splits a table row at every bare ``|``, inside an HTML comment too: a figure in a
+    table writes ``\\|FORMAT`` (tests/figures.py reads both) and no bare pipe in a regex."""
+    bare = []
+    for page in figures.pages()[1:]:  # docs/: the README (not edited here) still has some
+        for line in page.read_text().splitlines():
+            if line.lstrip().startswith("|"):
+                bare += [f"{page.name}: {loc}" for _, loc, _ in figures.FIGURE.findall(line)
+                         if re.search(r"(?<!\\)\|", loc)]  # fmt: skip
+    assert not bare, bare
+
+
+def test_no_figure_sits_in_code():
+    """A marker in a code block or span would show as text, not as its figure."""
+    code = re.compile(r"^```.*?^```|`[^`\n]*`", re.S | re.M)
+    shown = [f"{page.name}: {m[:80]}" for page in figures.pages()
+             for m in code.findall(page.read_text()) if "<!-- figure" in m]  # fmt: skip
+    assert not shown, shown
+
+
+def test_the_bench_pages_full_attention_predictions_are_the_bench_models_flop_counts():
+    """docs/bench.md gives the committed bench run's FLOP-predicted speed-ups with attention
+    counted in full beside its causal ones; no file holds them, so they are worked out here from
+    the models that run measured (`mod bench`'s own configs with the aux-loss router, the
+    default then: their causal predictions equal the file's) and the file's speed-ups."""
+    import argparse
+    import dataclasses
+
+    from mixture_of_depths.bench import sections
+    from mixture_of_depths.flops import estimate_flops
+
+    bench = figures.load(ROOT / "docs" / "bench" / "cpu-small.txt")
+    text = " ".join((ROOT / "docs" / "bench.md").read_text().split())
+    full = re.search(r"Counted in full, the c=0\.125 predictions below would be ([\d.]+)x / "
+                     r"([\d.]+)x / ([\d.]+)x at T=256 / 1024 / 2048, and the efficiencies "
+                     r"([\d.]+)% / ([\d.]+)% / ([\d.]+)%", text)  # fmt: skip
+    block = re.search(r"predicted with causal attention, ([\d.]+)x and ([\d.]+)x with", text)
+    args = argparse.Namespace(preset="small", layer_pattern="DR", capacities=[0.125],
+                              skipped_kv="none")  # fmt: skip
+    got_full, got_eff, got_block = [], [], []
+    for seq_len in (256, 1024, 2048):
+        cfgs = {name: dataclasses.replace(cfg, causal_router="aux_loss")
+                for name, cfg in sections.model_configs(args, seq_len).items()}  # fmt: skip
+        f = estimate_flops(cfgs["c=0.125"], seq_len, 4096 // seq_len)
+        row = figures.lookup(bench, f"train[seq_len={seq_len}][model=c=0.125]")
+        assert f.dense.train_causal / f.train_causal == pytest.approx(
+            row["speedup_flop_predicted"]
+        )  # the models the run measured
+        got_full.append(f"{f.dense.train / f.train:.3f}")
+        got_eff.append(f"{100 * row['speedup'] / (f.dense.train / f.train):.1f}")
+        one = {k: sections._one_block(c, routed=k != "dense") for k, c in cfgs.items()}
+        layer = {k: estimate_flops(c, seq_len, 4096 // seq_len).layers[0] for k, c in one.items()}
+        fwd = {k: v.matmul + v.attention + v.router + v.predictor for k, v in layer.items()}
+        got_block.append(f"{fwd['dense'] / fwd['c=0.125']:.1f}")
+    assert list(full.groups()) == got_full + got_eff
+    assert list(block.groups()) == [got_block[0], got_block[2]]
 
 
 def test_the_readmes_default_run_minutes_follow_its_quoted_speeds():
