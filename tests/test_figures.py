@@ -13,7 +13,7 @@ import pytest
 ROOT = figures.ROOT
 # Pages whose figures from runs all come from committed files through markers (the rest of
 # docs/ is not yet converted: their figures are checked by their own studies' tests or not).
-MARKED = ("README.md", "docs/inspect.md", "docs/semantics.md", "docs/bench.md")
+MARKED = ("README.md", "docs/inspect.md", "docs/semantics.md", "docs/bench.md", "docs/kv.md")
 
 
 def test_every_figure_is_its_files_and_exists():
@@ -145,3 +145,24 @@ def test_the_committed_flop_count_is_what_mod_flops_prints_now(capsys):
     assert main(["flops", "--preset", "small", "--json"]) == 0
     now = json.loads(capsys.readouterr().out)
     assert now == json.loads((ROOT / "docs" / "bench" / "flops-small.json").read_text())
+
+
+def test_the_kv_pages_prices_are_what_mod_flops_counts_now():
+    """docs/kv.md prices `skipped_kv` with `mod flops` for today's `small` at 1024 tokens: a
+    change of the default model or of the count fails here."""
+    from mixture_of_depths import MoDConfig
+    from mixture_of_depths.flops import estimate_flops
+
+    text = " ".join((ROOT / "docs" / "kv.md").read_text().split())
+    pattern = (
+        r"a training step costs ([\d.]+)x of dense against ([\d.]+)x for "
+        r'`"none"`, and the KV cache ([\d.]+)x of dense against ([\d.]+)x'
+    )
+    quoted = re.search(pattern, text)
+    now = {}
+    for kv in ("residual", "none"):
+        f = estimate_flops(MoDConfig.preset("small", max_seq_len=1024, skipped_kv=kv), 1024)
+        now[kv] = (f.train / f.dense.train, f.kv_bytes_per_token / f.dense.kv_bytes_per_token)
+    want = [f"{now['residual'][0]:.3f}", f"{now['none'][0]:.3f}"]
+    want += [f"{now['residual'][1]:.1f}", f"{now['none'][1]:.2f}"]
+    assert list(quoted.groups()) == want
