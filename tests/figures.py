@@ -7,18 +7,19 @@ from. A page quotes a figure between markers:
 naming the file (from the repository root) and where in it the figure is: either ``/REGEX/``,
 its first group in the file's text (markdown reports, text tables), quoted verbatim; or
 ``EXPR``, optionally followed by ``*SCALE`` (``*1e-6``: in millions) and ``|FORMAT``, a Python
-format spec (``.3f``, ``.1%``, ``,.0f``), which gives a number. ``EXPR`` is terms joined by
+format spec (``.3f``, ``.1%``, ``,.0f``), which gives a number (in a table row write ``\\|``:
+GitHub ends a cell at a bare ``|``, even inside a comment). ``EXPR`` is terms joined by
 `` over ``, `` minus `` or `` plus ``, worked out left to right (``A minus B over B``: the
 change from B), each term one of:
 
 - a key path into the file's JSON: a ``.json`` file, a ``.jsonl`` file (a list of its rows), or
   a command's output whose last line starting with ``{`` is JSON (``mod bench``'s). A path step
   is a key (``[a.b]`` for a key with dots, ``["c=1"]`` for any key), a list index, or
-  ``[key=value]``: the rows whose key
-  prints as value (``*`` and ``?`` match any text and any one character); a path takes the
-  first row that all such steps in a row keep;
+  ``[key=value]``: the rows whose key prints as value (``*`` and ``?`` match any text and any
+  one character); a path takes the first row that all such steps in a row keep;
 - ``mean(PATH)``, ``min(PATH)``, ``max(PATH)``, ``sum(PATH)``, ``count(PATH)``: over every
-  row the path's ``[key=value]`` steps keep (and every item of a list value);
+  row the path's ``[key=value]`` steps keep (and every item of a list value), or over every
+  group of every match of a ``/REGEX/`` in their parentheses;
 - ``/REGEX/``: its first group in the file's text, as a number (commas dropped);
 - a number.
 
@@ -124,7 +125,12 @@ def number(term: str, path: Path, doc: Any) -> float:
         return float(term)
     fn, _, inner = term.partition("(")
     if fn in REDUCE and inner.endswith(")"):
-        found = reach(doc(), inner[:-1], every=True)
+        inner = inner[:-1]
+        if inner[:1] == inner[-1:] == "/" and len(inner) > 1:  # every group of every match
+            found = [g.replace(",", "") for m in re.finditer(inner[1:-1], path.read_text())
+                     for g in m.groups()]  # fmt: skip
+            return REDUCE[fn]([float(g) for g in found])
+        found = reach(doc(), inner, every=True)
         return REDUCE[fn]([x for v in found for x in (v if isinstance(v, list) else [v])])
     return lookup(doc(), term)
 

@@ -13,7 +13,14 @@ import pytest
 ROOT = figures.ROOT
 # Pages whose figures from runs all come from committed files through markers (the rest of
 # docs/ is not yet converted: their figures are checked by their own studies' tests or not).
-MARKED = ("README.md", "docs/inspect.md", "docs/semantics.md", "docs/bench.md", "docs/kv.md")
+MARKED = (
+    "README.md",
+    "docs/inspect.md",
+    "docs/semantics.md",
+    "docs/bench.md",
+    "docs/kv.md",
+    "docs/mode.md",
+)
 
 
 def test_every_figure_is_its_files_and_exists():
@@ -54,7 +61,7 @@ def test_the_key_language_reduces_rows_matches_names_and_does_arithmetic(tmp_pat
     rows = [{"name": "x-s0", "f": 1.0, "l": [0.5, 0.7]}, {"name": "x-s1", "f": 2.0, "l": [0.6]}]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "k.json").write_text('{"c=1": {"v": 4.0}, "a.b": 2.0}')
-    (tmp_path / "t.txt").write_text("| 0.125 | 6,568 | 0.8 |\n")
+    (tmp_path / "t.txt").write_text("| 0.125 | 6,568 | 0.8 |\n| 40% 60% |\n| 50% 70% |\n")
     cases = {
         ("r.jsonl", "mean([name=x-s?].f)|.2f"): "1.50",
         ("r.jsonl", "max([name=x-*].l)|.1f"): "0.7",
@@ -63,6 +70,7 @@ def test_the_key_language_reduces_rows_matches_names_and_does_arithmetic(tmp_pat
         ("k.json", '["c=1"].v minus [a.b] over [a.b]\\|.1f'): "1.0",
         ("t.txt", r"/\| 0\.125 \| ([\d,]+)/ over /([\d.]+) \|\n/*1e-3|,.2f"): "8.21",
         ("t.txt", r"/\| 0\.125 \| ([\d,]+)/"): "6,568",
+        ("t.txt", r"mean(/(\d+)% (\d+)%/)|.0f"): "55",
     }
     for (source, locator), want in cases.items():
         assert figures.value(source, locator, tmp_path) == want, locator
