@@ -20,6 +20,7 @@ MARKED = (
     "docs/bench.md",
     "docs/kv.md",
     "docs/mode.md",
+    "docs/mor.md",
 )
 
 
@@ -174,3 +175,17 @@ def test_the_kv_pages_prices_are_what_mod_flops_counts_now():
     want = [f"{now['residual'][0]:.3f}", f"{now['none'][0]:.3f}"]
     want += [f"{now['residual'][1]:.1f}", f"{now['none'][1]:.2f}"]
     assert list(quoted.groups()) == want
+
+
+def test_the_mor_pages_flop_ratios_are_what_mod_flops_counts_now():
+    """docs/mor.md prices `small-mor` against `small` per training token at 256 tokens, with its
+    capacities and with the default ones."""
+    from mixture_of_depths import MoDConfig
+    from mixture_of_depths.flops import estimate_flops
+
+    text = " ".join((ROOT / "docs" / "mor.md").read_text().split())
+    pattern = r"training FLOPs per token: ([\d.]+)x at 256 tokens .*? it would cost ([\d.]+)x\."
+    quoted = re.search(pattern, text)
+    small = estimate_flops(MoDConfig.preset("small"), 256).train
+    mor = [MoDConfig.preset("small-mor"), MoDConfig.preset("small-mor", recursion_capacities=None)]
+    assert list(quoted.groups()) == [f"{estimate_flops(c, 256).train / small:.2f}" for c in mor]
