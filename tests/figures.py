@@ -17,9 +17,9 @@ change from B), each term one of:
   is a key (``[a.b]`` for a key with dots, ``["c=1"]`` for any key), a list index, or
   ``[key=value]``: the rows whose key prints as value (``*`` and ``?`` match any text and any
   one character); a path takes the first row that all such steps in a row keep;
-- ``mean(PATH)``, ``min(PATH)``, ``max(PATH)``, ``sum(PATH)``, ``count(PATH)``: over every
-  row the path's ``[key=value]`` steps keep (and every item of a list value), or over every
-  group of every match of a ``/REGEX/`` in their parentheses;
+- ``mean(PATH)``, ``min(PATH)``, ``max(PATH)``, ``sum(PATH)``: over every row the path's
+  ``[key=value]`` steps keep (and every item of a list or object value), or over every group
+  of every match of a ``/REGEX/`` in their parentheses; ``count(PATH)``: how many rows it keeps;
 - ``/REGEX/``: its first group in the file's text, as a number (commas dropped);
 - a number.
 
@@ -131,7 +131,10 @@ def number(term: str, path: Path, doc: Any) -> float:
                      for g in m.groups()]  # fmt: skip
             return REDUCE[fn]([float(g) for g in found])
         found = reach(doc(), inner, every=True)
-        return REDUCE[fn]([x for v in found for x in (v if isinstance(v, list) else [v])])
+        if fn != "count":  # the items of a list or object value
+            found = [x for v in found for x in (v.values() if isinstance(v, dict) else [v])]
+            found = [x for v in found for x in (v if isinstance(v, list) else [v])]
+        return REDUCE[fn](found)
     return lookup(doc(), term)
 
 
