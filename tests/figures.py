@@ -15,8 +15,9 @@ change from B), each term one of:
 - a key path into the file's JSON: a ``.json`` file, a ``.jsonl`` file (a list of its rows), or
   a command's output whose last line starting with ``{`` is JSON (``mod bench``'s). A path step
   is a key (``[a.b]`` for a key with dots, ``["c=1"]`` for any key), a list index, or
-  ``[key=value]``: the rows whose key prints as value (``*`` and ``?`` match any text and any
-  one character); a path takes the first row that all such steps in a row keep;
+  ``[key=value]``: the rows whose key prints as value. ``*`` and ``?`` (any text, any one
+  character) in a value or an unquoted key keep every row or key they fit; a path takes the
+  first of them;
 - ``mean(PATH)``, ``min(PATH)``, ``max(PATH)``, ``sum(PATH)``: over every row the path's
   ``[key=value]`` steps keep (and every item of a list or object value), or over every group
   of every match of a ``/REGEX/`` in their parentheses; ``count(PATH)``: how many rows it keeps;
@@ -78,6 +79,10 @@ def reach(doc: Any, path: str, every: bool = False) -> list[Any]:
             continue
         docs, filtering = docs if every or not filtering else docs[:1], False
         name = quoted_key if quoted_key is not None else literal or name
+        if quoted_key is None and ("*" in name or "?" in name):  # every key it fits
+            docs = [v for d in docs for k, v in d.items() if fnmatchcase(k, name)]
+            docs = docs if every else docs[:1]
+            continue
         docs = [d[int(name)] if isinstance(d, list) else d[name] for d in docs]
     docs = docs if every or not filtering else docs[:1]
     if not docs:

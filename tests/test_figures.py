@@ -22,6 +22,7 @@ MARKED = (
     "docs/mode.md",
     "docs/mor.md",
     "docs/huggingface.md",
+    "docs/serving.md",
 )
 
 
@@ -62,13 +63,17 @@ def test_a_figure_is_rewritten_from_its_file_and_a_gone_key_is_named(tmp_path):
 def test_the_key_language_reduces_rows_matches_names_and_does_arithmetic(tmp_path):
     rows = [{"name": "x-s0", "f": 1.0, "l": [0.5, 0.7]}, {"name": "x-s1", "f": 2.0, "l": [0.6]}]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "k.json").write_text('{"c=1": {"v": 4.0}, "a.b": 2.0, "m": {"x": 1, "y": 3}}')
+    keyed = {"c=1": {"v": 4.0}, "a.b": 2.0, "m": {"x": 1, "y": 3}}
+    keyed["g"] = {"p": {"v": 1}, "q": {"v": 3}}
+    (tmp_path / "k.json").write_text(json.dumps(keyed))
     (tmp_path / "t.txt").write_text("| 0.125 | 6,568 | 0.8 |\n| 40% 60% |\n| 50% 70% |\n")
     cases = {
         ("r.jsonl", "mean([name=x-s?].f)|.2f"): "1.50",
         ("r.jsonl", "max([name=x-*].l)|.1f"): "0.7",
         ("r.jsonl", "count([name=x-*])"): "2",
         ("k.json", "mean(m)|.1f"): "2.0",
+        ("k.json", "max(g.*.v)"): "3",
+        ("k.json", "g.?.v"): "1",
         ("r.jsonl", "[name=x-s1].f over [name=x-s0].f minus 1|+.0%"): "+100%",
         ("k.json", '["c=1"].v minus [a.b] over [a.b]\\|.1f'): "1.0",
         ("t.txt", r"/\| 0\.125 \| ([\d,]+)/ over /([\d.]+) \|\n/*1e-3|,.2f"): "8.21",
