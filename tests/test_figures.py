@@ -196,3 +196,24 @@ def test_the_mor_pages_flop_ratios_are_what_mod_flops_counts_now():
     small = estimate_flops(MoDConfig.preset("small"), 256).train
     mor = [MoDConfig.preset("small-mor"), MoDConfig.preset("small-mor", recursion_capacities=None)]
     assert list(quoted.groups()) == [f"{estimate_flops(c, 256).train / small:.2f}" for c in mor]
+
+
+def test_the_distributed_pages_nccl_table_is_todays_arithmetic(capsys):
+    """docs/distributed.md tables `benchmarks/distributed.py --nccl` (arithmetic, nothing run):
+    a change of the default model, the FLOP count or the parameter count fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dist", ROOT / "benchmarks" / "distributed.py")
+    dist = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dist)
+    models = dist.nccl_estimate(dist.parse(["--nccl"]))["models"]
+    capsys.readouterr()
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    for label, m in zip(("MoD", "dense twin"), models, strict=True):
+        ddp = m["ddp"]
+        want = [f"{m['params'] / 1e6:.0f}M", f"{m['train_flops_per_token'] / 1e9:.2f}",
+                f"{m['compute_ms']:.0f} ms", f"{ddp['bytes_per_rank'] / 1e9:.1f} GB",
+                f"{ddp['nvlink_ms']:.0f} ms", f"{ddp['network_ms']:.0f} ms",
+                f"{ddp['tokens_per_gpu_compute_equals_network']:,.0f}"]  # fmt: skip
+        row = re.search(rf"^  \| {label} \| (.*) \|$", text, re.M).group(1).split(" | ")
+        assert row == want, label
