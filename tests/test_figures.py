@@ -23,6 +23,7 @@ MARKED = (
     "docs/mor.md",
     "docs/huggingface.md",
     "docs/serving.md",
+    "docs/study.md",
 )
 
 
