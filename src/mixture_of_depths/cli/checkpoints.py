@@ -12,6 +12,7 @@ from ..config import FIELD_CHOICES
 from ..convert import convert_folder, read_config
 from ..fileio import check_out_folder
 from ..runtime.checkpoint import consolidate_checkpoint, load_config, resolve_checkpoint
+from .flags import OUT_CHECKPOINT
 
 
 def add_export(sub: Any, name: str) -> None:
@@ -44,7 +45,7 @@ def add_convert(sub: Any, name: str) -> None:
         "exactly 1 forward, so at --capacity 1.0 it computes the original's logits.",
     )
     p.add_argument("--from-hf", required=True, metavar="DIR", help="transformers model folder")
-    p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
+    p.add_argument("--out", required=True, help=OUT_CHECKPOINT)
     p.add_argument("--layer-pattern", default="DR", help="D dense, R routed, tiled (default: DR)")
     p.add_argument(
         "--capacity",
@@ -85,7 +86,7 @@ def add_consolidate(sub: Any, name: str) -> None:
         "`mod eval` and `mod generate` read both kinds; this one is the kind to share.",
     )
     p.add_argument("checkpoint", help="sharded checkpoint directory (e.g. runs/mod/checkpoint)")
-    p.add_argument("out", help="new checkpoint directory (must not exist or be empty)")
+    p.add_argument("out", help=OUT_CHECKPOINT)
 
 
 def _hf() -> types.ModuleType:

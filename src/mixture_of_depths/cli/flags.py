@@ -14,6 +14,13 @@ from ..config import FIELD_CHOICES, PRESETS, MoDConfig
 from .fieldhelp import MODEL_HELP, TRAIN_HELP
 
 DEFAULT_PRESET = "small"
+# --out names the folder a command creates: a run folder for the commands that train (the
+# checkpoint in OUT/checkpoint, beside the logs and summary), the checkpoint itself for those
+# that write a model; every command that reads a checkpoint takes either (README, "Command line").
+OUT_CHECKPOINT = (
+    "the checkpoint folder to write (new, or empty): the checkpoint itself, not a run folder "
+    "as mod train's --out; commands that read a checkpoint take either"
+)
 FIELD_HELP = {"MoDConfig": MODEL_HELP, "TrainConfig": TRAIN_HELP}  # by class name
 
 
