@@ -17,7 +17,7 @@ the ones before it are set.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -69,13 +69,25 @@ def threshold_at(scores: Tensor, take: float) -> float:
     return float((z[j] + z[j + 1]) / 2)
 
 
+def nothing_to_calibrate(cfg: MoDConfig) -> str | None:
+    """Why `cfg` has no causal threshold to fit, or None where it has one per router."""
+    if cfg.recursive and cfg.recursion_router == "token":
+        return ("token-choice recursion assigns each token its depth with no threshold on a "
+                "score to move: nothing to calibrate")  # fmt: skip
+    if cfg.is_dense:
+        experts = " (its expert layers choose by token, causal as they are)" * cfg.has_experts
+        return f"the model is dense{experts}: no causal router, nothing to calibrate"
+    if cfg.router_scores == "random":
+        return "random router scores decide by their own noise: nothing to calibrate"
+    return None
+
+
 def targets(cfg: MoDConfig, take: float | None = None) -> list[float]:
     """Each router's take-rate to calibrate to: `take` if given, else its capacity (a MoD
     router's `capacity`; a recursion step's `recursion_capacities` entry, as a share of all
     tokens)."""
     if cfg.recursive and cfg.recursion_router == "token":
-        raise ValueError("token-choice recursion assigns each token its depth with no threshold "
-                         "on a score to move: nothing to calibrate")  # fmt: skip
+        raise ValueError(nothing_to_calibrate(cfg))
     if take is not None:
         return [take] * cfg.n_routers
     if cfg.recursive:
@@ -84,7 +96,11 @@ def targets(cfg: MoDConfig, take: float | None = None) -> list[float]:
 
 
 def _scores(
-    model: MoDTransformer, batches: Sequence[Tensor], i: int, device: Any
+    model: MoDTransformer,
+    batches: Sequence[Tensor],
+    i: int,
+    device: Any,
+    on_batch: Callable[[], None] | None = None,
 ) -> tuple[Tensor, int]:
     """Router `i`'s causal scores (forward order of the routes) over the tokens of `batches`
     that can take it, and the number of tokens. For a recursion step those are the tokens still
@@ -98,23 +114,28 @@ def _scores(
         score = routes[i].decision_logits.detach().float()
         out.append((score[routes[i - 1].mask] if nested else score).flatten().cpu())
         n += x.numel()
+        if on_batch is not None:
+            on_batch()
     return torch.cat(out), n
 
 
 @torch.no_grad()
 def fit_thresholds(
-    model: MoDTransformer, batches: Sequence[Tensor], take: float | None = None
+    model: MoDTransformer,
+    batches: Sequence[Tensor],
+    take: float | None = None,
+    on_batch: Callable[[], None] | None = None,
 ) -> list[float]:
     """Fit, in forward order, the threshold of every router of `model` so that its causal
     take-rate over the tokens of `batches` (token ids, (B, T) each) is `take` (default: its
     capacity, `targets`); set them on the model (its config's `causal_thresholds`) and return
     them. A recursion step continues only tokens still active, so its threshold is fitted among
-    those, for its share of all tokens (below every active score when they are fewer)."""
+    those, for its share of all tokens (below every active score when they are fewer).
+    `on_batch` is called after each forward (one per router and batch): a progress bar's tick."""
     cfg = model.config
-    if cfg.is_dense:
-        raise ValueError("calibrating thresholds needs routed blocks: the model is dense")
-    if cfg.router_scores == "random":
-        raise ValueError("random router scores decide by their own noise: nothing to calibrate")
+    reason = nothing_to_calibrate(cfg)
+    if reason:
+        raise ValueError(f"calibrating thresholds: {reason}")
     if take is not None and not 0 < take < 1:
         raise ValueError(f"take must be in (0, 1), got {take}")
     goal = targets(cfg, take)
@@ -127,7 +148,7 @@ def fit_thresholds(
     try:
         for i in range(cfg.n_routers):
             set_config(model, causal_thresholds=tuple(thresholds))
-            scores, n = _scores(model, batches, i, device)
+            scores, n = _scores(model, batches, i, device, on_batch)
             share = goal[i] * n / max(len(scores), 1)  # of the tokens that can take it
             if len(scores) and share >= 1:  # fewer active than the step keeps: all continue
                 thresholds[i] = float(scores.min()) - 1.0

@@ -56,7 +56,8 @@ MODEL_HELP: dict[str, str] = {
 }
 
 TRAIN_HELP: dict[str, str] = {
-    "out": "run folder: checkpoint, metrics.jsonl, run.json",
+    "out": "the run folder to write: OUT/checkpoint (what mod eval, generate, serve and "
+    "calibrate read; they also take OUT itself), metrics.jsonl, run.json, summary.json",
     "data": "a text file or folder to train on (unset: the embedded default corpus)",
     "tokenizer": "byte-level, or BPE trained on the training split and saved with the model",
     "bpe_vocab_size": "vocabulary of the BPE tokenizer",
@@ -86,4 +87,5 @@ TRAIN_HELP: dict[str, str] = {
     "distill": "weight of KL(frozen dense teacher || model) when fine-tuning",
     "capacity_warmup": "steps over which capacity falls from 1 to the model's (0: by ratio)",
     "capacity_warmup_ratio": "share of the steps over which capacity falls from 1 (0: none)",
+    "calibrate": "at the end, fit the causal thresholds to the capacity on held-out windows",
 }

@@ -40,6 +40,7 @@ def add_train(sub: Any, name: str) -> None:
         "--overwrite", action="store_true", help="start over even if --out already holds a run"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_calibrate(p)
     p.add_argument("--json", action="store_true", help="print the final summary as JSON, alone on "
                    "stdout (evaluation lines and the bar go to stderr)")  # fmt: skip
     model_group = p.add_argument_group("model (MoDConfig fields)")
@@ -47,7 +48,18 @@ def add_train(sub: Any, name: str) -> None:
         model_group, MoDConfig, skip={"vocab_size", "causal_thresholds"}, preset=True
     )
     train_group = p.add_argument_group("training")
-    add_dataclass_flags(train_group, TrainConfig, skip=set(), choices=TRAIN_CHOICES)
+    add_dataclass_flags(train_group, TrainConfig, skip={"calibrate"}, choices=TRAIN_CHOICES)
+
+
+def add_no_calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="end without calibrating: by default the run ends by fitting each causal router's "
+        "threshold so that its take-rate on held-out validation windows is the capacity (mod "
+        "calibrate), stores them in the checkpoint's config and prints the take-rates before "
+        "and after",
+    )
 
 
 def add_tune_routers(sub: Any, name: str) -> None:
@@ -66,10 +78,12 @@ def add_tune_routers(sub: Any, name: str) -> None:
     p.add_argument("--resume", action="store_true", help="continue this run in --out")
     p.add_argument("--overwrite", action="store_true", help="start over in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_calibrate(p)
     p.add_argument("--json", action="store_true", help="print the final summary as JSON, alone on "
                    "stdout (evaluation lines and the bar go to stderr)")  # fmt: skip
     p.set_defaults(preset=None)
-    add_dataclass_flags(p, TrainConfig, skip={"init_from"}, choices=TRAIN_CHOICES, shown=TUNED)
+    skip = {"init_from", "calibrate"}
+    add_dataclass_flags(p, TrainConfig, skip=skip, choices=TRAIN_CHOICES, shown=TUNED)
 
 
 # what tune-routers sets where the user gives nothing (`run`), as its help shows it
@@ -79,6 +93,7 @@ TUNED = {"tune": "routers", "out": "runs/tuned", "tokenizer": "the checkpoint's"
 def run(args: argparse.Namespace) -> int:
     model_over = given(args, MoDConfig)
     train_over = given(args, TrainConfig)
+    train_over["calibrate"] = not args.no_calibrate  # the command's default: calibrated
     if restarted():
         # torchrun restarted the job after a worker died: go on from the last complete
         # checkpoint, or start over the folder the dead attempt began (nothing was saved yet).

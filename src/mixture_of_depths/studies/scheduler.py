@@ -98,6 +98,8 @@ def command(
         value = getattr(tc, name)
         if value is not None:
             flags += ["--" + name.replace("_", "-"), flag_value(value)]
+    if not tc.calibrate:  # as `run_one` trains it: `mod train` would calibrate at the end
+        flags.append("--no-calibrate")
     return [*head, *flags, "--no-progress"]
 
 

@@ -77,6 +77,11 @@ class TrainConfig:
     # steps when that is > 0. Its extra compute is spent like any other; 0 and 0.0: none.
     capacity_warmup: int = 0
     capacity_warmup_ratio: float = 0.1
+    # At the end, fit each causal router's threshold so that its take-rate is the capacity on
+    # held-out validation windows (what `mod calibrate` does; train/calibrate.py), and store the
+    # thresholds in the checkpoint's config. `mod train` does unless --no-calibrate; off here,
+    # so that code calling `train` (the studies) trains and evaluates as it always has.
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, TRAIN_RANGES)
@@ -89,8 +94,9 @@ class TrainConfig:
             raise ValueError(f"init_from must be a checkpoint path or None, got {self.init_from!r}")
         if self.data is not None and not isinstance(self.data, str):
             raise ValueError(f"data must be a path (a string) or None, got {self.data!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be true or false, got {self.compile!r}")
+        for name in ("compile", "calibrate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.capacity_warmup > self.steps:  # (a resume may extend steps: never below it)
             raise ValueError(
                 f"--capacity-warmup {self.capacity_warmup} is longer than --steps {self.steps}: "

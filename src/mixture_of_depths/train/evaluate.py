@@ -3,6 +3,7 @@ computes), with each router's routing accuracy and causal take-rate; `mod eval` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,15 @@ def evaluate(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     progress: bool = False,
+    on_batch: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Validation loss in top-k and causal routing; per router, how its causal decisions match
     top-k membership on the top-k forward (`routing_recall`, `routing_precision`,
     `routing_balanced_accuracy`, and the paper's `routing_accuracy`: `routing.decision_scores`,
     pooled over the batches) and the causal take-rate (the share of tokens that took it in the
     causal forward: near the capacity once the causal router has learned top-k). `progress`: a
-    bar on stderr (`mod eval`; a training run has its own).
+    bar on stderr (`mod eval`; a training run has its own); `on_batch`, called after each
+    batch, ticks a caller's bar instead.
     """
     was_training = model.training
     model.eval()
@@ -52,16 +55,15 @@ def evaluate(
             sums["topk"] += out.lm_loss.item()
             for r, t in causal_takes(out.routes):
                 counts[r.name] = counts.get(r.name, 0) + confusion(t, r.target)
-            if dense:  # both modes are the same computation for a dense model
-                sums["causal"] += out.lm_loss.item()
-                _add_expert_take(experts, out)
-                continue
-            with autocast_for(device):
-                out = model(x, y, routing="causal")
+            if not dense:  # both modes are the same computation for a dense model
+                with autocast_for(device):
+                    out = model(x, y, routing="causal")
+                for r in out.routes:
+                    take[r.name] = take.get(r.name, 0.0) + r.mask.float().mean().item()
             sums["causal"] += out.lm_loss.item()
-            for r in out.routes:
-                take[r.name] = take.get(r.name, 0.0) + r.mask.float().mean().item()
             _add_expert_take(experts, out)
+            if on_batch is not None:
+                on_batch()
     finally:
         model.train(was_training)
     n = max(1, len(batches))

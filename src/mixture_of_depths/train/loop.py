@@ -30,6 +30,7 @@ from ..runtime import distributed as D
 from ..runtime.checkpoint import save_checkpoint, save_sharded_checkpoint
 from ..runtime.device import resolve_device
 from ..runtime.runlock import RunLock
+from .calibrate import calibrate_model
 from .config import TrainConfig, lr_at
 from .evaluate import evaluate, expert_slot_shares
 from .report import format_eval, mean_expert_share, plot_metrics
@@ -130,7 +131,29 @@ def _train_loop(run: Run, progress: bool, stop: StopSignals) -> dict[str, Any]:
         bar.close()
     if not last_eval:  # resumed at the final step: nothing left to train
         last_eval = _evaluate(run)
-    return _finish(run, last_eval)
+    calibration = _calibrate(run, progress) if tc.calibrate else None
+    return _finish(run, last_eval, calibration)
+
+
+def _calibrate(run: Run, progress: bool) -> dict[str, Any]:
+    """Fit the causal thresholds on held-out windows (`calibrate.calibrate_model`) and write
+    the checkpoint again, atomically, with them in its config and, in its trainer state, those
+    the run trained with (a resume goes on with these). Every rank runs it whole, as the routing
+    probe (a sharded model's forward is collective); the time is kept out of training's."""
+    if run.calib_skip:
+        if run.env.is_main:
+            print(f"note: {run.calib_skip}", file=sys.stderr)
+        return {"skipped": run.calib_skip}
+    with run.clock.paused() as elapsed:
+        trained_with = list(run.model_config.causal_thresholds)
+        result = calibrate_model(run.model, run.calib_batches, run.device, progress)
+        thresholds = list(result["thresholds"].values())
+        run.model_config = dataclasses.replace(
+            run.model_config, causal_thresholds=tuple(thresholds)
+        )
+        run.calibration = {"thresholds": thresholds, "uncalibrated": trained_with}
+        _checkpoint(run, run.tc.steps, elapsed)
+    return result
 
 
 def _stop_if_asked(run: Run, stop: StopSignals, done: int, sync: bool) -> None:
@@ -367,8 +390,11 @@ def _save(
     )
 
 
-def _finish(run: Run, last_eval: dict[str, Any]) -> dict[str, Any]:
-    """The run's summary (also written to summary.json) and its loss plot."""
+def _finish(
+    run: Run, last_eval: dict[str, Any], calibration: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The run's summary (also written to summary.json) and its loss plot; with `calibration`,
+    the evaluation is the model's before it (the thresholds it trained with)."""
     tc = run.tc
     summary = {
         "out": str(run.out_dir),
@@ -380,6 +406,7 @@ def _finish(run: Run, last_eval: dict[str, Any]) -> dict[str, Any]:
         "layer_kinds": run.model_config.layer_kinds,
         "capacity": run.model_config.capacity,
         **last_eval,
+        **({"calibration": calibration} if calibration is not None else {}),
     }
     if not run.env.is_main:  # rank 0 writes the summary and the plot
         return summary

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..probes import format_copy_probe
+from .calibrate import calibration_header, format_calibration
 
 
 def _pct(v: float | None, digits: int = 1) -> str:
@@ -86,6 +87,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"capacity {s['capacity']})",
         *format_eval_lines(s),
     ]
+    calibrated = s.get("calibration") or {}
+    if "skipped" in calibrated:
+        lines.append(f"causal thresholds not calibrated: {calibrated['skipped']}")
+    elif calibrated:
+        lines += [calibration_header(calibrated), *format_calibration(calibrated)]
     lines.append(f"checkpoint: {s['checkpoint']}")
     if "plot" in s:
         lines.append(f"loss curve: {s['plot']}")

@@ -40,10 +40,12 @@ from ..runtime.checkpoint import (
     load_sharded,
     model_tensors,
     nonfinite_tensors,
+    read_json_file,
     resolve_checkpoint,
 )
 from ..runtime.device import resolve_device
 from ..runtime.sharded import local_tensors
+from .calibrate import calibration_set, restore_uncalibrated, uncalibrated
 from .config import TrainConfig, capacity_warmup_steps, make_optimizer
 from .resume import (
     RUN_FILES,
@@ -121,6 +123,7 @@ def start(
     if begin.state is not None:
         _restore_weights(begin.ckpt, model, opt, env, parallel)
     val = _val_batches(val_tokens, tc, seq_len)
+    calib, calib_skip = calibration_set(tc, model_config, val_tokens, seq_len)
     step_fn = step_module(_with_teacher(model, tc, device), tc, env, device, parallel)
     if overwrite and not resume and env.is_main:  # only now that the run has passed every check
         clear_run(out_dir)
@@ -140,6 +143,8 @@ def start(
         env=env,
         parallel=parallel,
         capacity_warmup=capacity_warmup_steps(tc, model_config),
+        calib_batches=calib,
+        calib_skip=calib_skip,
     )
     if begin.state is not None:  # last: loading a teacher draws from the generators too
         run.load_state_dict(begin.state, begin.ckpt / "trainer.json")
@@ -151,18 +156,26 @@ def _load_start(tc: TrainConfig, resume: bool, device: torch.device) -> _Start:
     if resume:
         ckpt, state = load_resume(tc)
         if is_sharded(ckpt):  # read after sharding, each rank its own slices
-            config = load_config(ckpt)
+            config = uncalibrated(load_config(ckpt), state)
             model = MoDTransformer(config).to(device)
         else:
             model, config = load_model(ckpt, map_location=device)
             refuse_nonfinite(ckpt, nonfinite_tensors(model_tensors(model)))
+            config = restore_uncalibrated(model, config, state)
         return _Start(ckpt, state, model, config, load_tokenizer(ckpt))
     if tc.init_from is not None:  # a new run from another run's weights
         ckpt = resolve_checkpoint(tc.init_from)
         model, config = load_model(ckpt, map_location=device)
         refuse_nonfinite(ckpt, nonfinite_tensors(model_tensors(model)))
+        # thresholds a run fitted at its end fit its routers, not those this run trains
+        config = restore_uncalibrated(model, config, _trainer_state(ckpt))
         return _Start(ckpt, None, model, config, load_tokenizer(ckpt))
     return _Start()
+
+
+def _trainer_state(ckpt: Path) -> dict[str, Any] | None:
+    path = ckpt / "trainer.json"
+    return read_json_file(path) if path.exists() else None
 
 
 def tokenizer_kind(tokenizer: Tokenizer) -> str:

@@ -114,6 +114,12 @@ class Run:
     # The routing decisions on the probe batch at the last evaluation, to count the flips at the
     # next one (`routing_diag` in the log); saved with the checkpoint so a resume counts alike.
     probe_masks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # With `tc.calibrate`: the validation windows the end-of-run calibration reads, or why it
+    # is skipped (`calibrate.calibration_set`); once done, the thresholds it fitted and those
+    # the run trained with (kept in trainer.json: a resume goes on with the latter).
+    calib_batches: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    calib_skip: str | None = None
+    calibration: dict[str, Any] | None = None
     # The predictor is clipped on its own: its gradient must not rescale the LM's update.
     lm_params: list[torch.nn.Parameter] = dataclasses.field(init=False)
     predictor_params: list[torch.nn.Parameter] = dataclasses.field(init=False)
@@ -156,6 +162,7 @@ class Run:
             "routing_probe": pack_masks(self.probe_masks),
             "capacity_warmup_steps": self.capacity_warmup,
             "rng": _rng_state(self.device),
+            **({"calibration": self.calibration} if self.calibration else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
