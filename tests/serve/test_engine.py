@@ -23,6 +23,7 @@ from generate_helpers import causal_routes
 from mixture_of_depths.data.tokenizers import ByteTokenizer
 from mixture_of_depths.generate import generate, generate_reference
 from mixture_of_depths.serve.engine import Engine
+from mixture_of_depths.serve.metrics import take_rate_text
 from mixture_of_depths.serve.paged import paged_prefill
 from mixture_of_depths.serve.request import TextStream
 from mixture_of_depths.serve.types import QueueFull, RequestError, SamplingParams, ShuttingDown
@@ -421,6 +422,12 @@ def test_take_rates_are_the_decoded_tokens_share_of_each_routers_decisions():
     assert names == ["0.attn", "0.mlp", "2.attn", "2.mlp", "3.attn", "3.mlp"]
     for name, rate in zip(names, decisions.mean(0).tolist(), strict=True):
         assert m["take_rate"][name] == pytest.approx(rate, abs=1e-12), name
+    # the line `mod serve` says when it stops
+    line = take_rate_text(m, model.config)
+    assert line.startswith(f"take-rates over the {len(decisions)} tokens decoded: ")
+    assert line.endswith("(capacity 30.0%; causal thresholds 0, uncalibrated)")
+    for name, rate in zip(names, decisions.mean(0).tolist(), strict=True):
+        assert f"L{name} {rate:.1%}" in line
 
 
 def test_static_batching_admits_only_into_an_empty_batch():

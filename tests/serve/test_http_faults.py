@@ -130,6 +130,8 @@ def test_sigterm_finishes_the_running_request_and_exits_0(model, tmp_path):  # n
         sock.close()
         assert b'"finish_reason": "length"' in got or b'"finish_reason": "stop"' in got
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        said = proc.stderr.read()  # at the end, the take-rates of the tokens it decoded
+        assert re.search(r"mod serve: take-rates over the \d+ tokens decoded: L\d", said), said
     finally:
         if proc.poll() is None:
             proc.kill()

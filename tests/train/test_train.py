@@ -357,7 +357,8 @@ def test_train_compile_matches_eager(corpus: Path, tmp_path: Path):
 def test_cli_generate_streams_what_generate_samples(corpus: Path, tmp_path: Path, capsys):
     """`mod generate`: plain streaming prints the prompt and exactly the greedy continuation that
     `generate` samples from the same checkpoint; --show-routing prints every token coloured by
-    the routed blocks it took, with a legend and the share per routed layer of the same run."""
+    the routed blocks it took (in colour only when asked: stdout here is no terminal), with a
+    legend and the take-rate per routed layer of the same run."""
     from mixture_of_depths.data import load_tokenizer
     from mixture_of_depths.generate import generate
     from mixture_of_depths.routing import calibrate_predictors
@@ -382,11 +383,18 @@ def test_cli_generate_streams_what_generate_samples(corpus: Path, tmp_path: Path
     assert capsys.readouterr().out == prompt + tok.decode(ids) + "\n"
     assert main([*base, "--max-new-tokens", str(n), "--show-routing"]) == 0
     shown = capsys.readouterr().out
-    plain = re.sub(r"\x1b\[[0-9;]*m", "", shown)
-    assert plain.startswith(prompt + tok.decode(want.tokens[0]))
-    share = want.routing[0].float().mean(0)[0].item()
-    assert 0 < share < 1  # precondition: some tokens took the routed block and some skipped it
-    assert "routed blocks taken per token (of 1)" in plain and f"L1 {share:.0%}" in plain
+    assert "\x1b[" not in shown  # not a terminal: no colour codes
+    assert main([*base, "--max-new-tokens", str(n), "--show-routing", "--color", "always"]) == 0
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    assert plain == shown and plain.startswith(prompt + tok.decode(want.tokens[0]))
+    fed = want.routing[0][: len(tok.encode(prompt)) + len(ids)]  # a final EOS is not fed
+    took, n_fed = int(fed[:, 0].sum()), len(fed)
+    assert 0 < took < n_fed  # precondition: some tokens took the routed block, some skipped it
+    assert "routed blocks taken per token (of 1)" in plain
+    assert (
+        f"take-rates over the {n_fed} tokens fed (prompt and generated): L1 {took}/{n_fed} "
+        in plain
+    )
     assert main([*base, "--max-new-tokens", "0"]) == 2  # a clear error, not a crash
 
 

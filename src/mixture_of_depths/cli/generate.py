@@ -4,14 +4,16 @@ routed blocks each token took."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..data import load_tokenizer
-from ..generate import Generation, router_names, stream
+from ..generate import Generation, router_names
 from ..runtime.checkpoint import load_model, resolve_checkpoint
 from ..runtime.device import resolve_device
 from .flags import add_checkpoint, checkpoint_arg
@@ -40,7 +42,15 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--show-routing",
         action="store_true",
-        help="colour each token by how many routed blocks it took, with a legend",
+        help="colour each token by how many routed blocks it took, with a legend and the "
+        "take-rates on stdout (without it the take-rates go to stderr)",
+    )
+    p.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="--show-routing's colours: auto (on a terminal, unless NO_COLOR is set), always "
+        "(e.g. into less -R), never (default: auto)",
     )
     p.add_argument("--device", default="auto")
 
@@ -63,15 +73,49 @@ def visible(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+def _tty(out: Any) -> bool:
+    isatty = getattr(out, "isatty", None)
+    return isatty is not None and bool(isatty())
+
+
 def _shown(out: Any) -> Any:
     """What text goes through on its way to `out`: `visible` on a terminal; unchanged into a
     file or a pipe, where the model's text is the data asked for."""
-    isatty = getattr(out, "isatty", None)
-    return visible if isatty is not None and isatty() else str
+    return visible if _tty(out) else str
+
+
+def _painter(args: argparse.Namespace, out: Any) -> Callable[[str, int, int], str]:
+    """What colours a piece of text by its routed blocks: ANSI colours with --color always, or
+    with auto on a terminal when NO_COLOR is unset or empty (no-color.org); else nothing."""
+    auto = _tty(out) and not os.environ.get("NO_COLOR")
+    on = args.color == "always" or (args.color == "auto" and auto)
+    return _paint if on else lambda text, count, total: text
 
 
 def _paint(text: str, count: int, total: int) -> str:
     return f"\x1b[38;5;{_heat(count, total)}m{text}\x1b[0m"
+
+
+def take_rate_line(model: Any, routing: torch.Tensor) -> str:
+    """Each router's share of the tokens fed through the model (`routing`: (tokens, routers)
+    bool, the prompt's and the generated tokens' decisions), beside what it was fitted to."""
+    cfg = model.config
+    names, n = router_names(model), routing.shape[0]
+    took = routing.sum(0).tolist()
+    rates = ", ".join(
+        f"L{name} {t}/{n} {t / max(n, 1):.1%}" for name, t in zip(names, took, strict=True)
+    )
+    shares = ", ".join(f"{cfg.recursion_capacity(r):.1%}" for r in cfg.recursion_routed_steps)
+    capacity = (  # a recursion step's own share of all tokens, or MoD's one capacity
+        f"step capacities {shares}" if cfg.recursive and cfg.recursion_router == "expert"
+        else f"balanced depths {shares}" if cfg.recursive
+        else f"capacity {cfg.capacity:.1%}"
+    )  # fmt: skip
+    fitted = "calibrated" if cfg.causal_thresholds else "0, uncalibrated"
+    return (
+        f"take-rates over the {n} tokens fed (prompt and generated): {rates} ({capacity}; "
+        f"causal thresholds {fitted})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,34 +140,41 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     show = args.show_routing
-    if show and not router_names(model):
-        print("note: a dense model has no routed blocks: nothing to colour", file=sys.stderr)
+    if not router_names(model):
+        what = "nothing to colour" if show else "no take-rates to report"
+        print(f"note: a dense model has no routed blocks: {what}", file=sys.stderr)
         show = False
-    (_stream_routing if show else _stream_text)(args, model, tokenizer, prompt, n_new)
+    gen = Generation(
+        model,
+        [prompt],
+        n_new,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        tokenizer.eot_id,
+        args.seed,
+        args.prefill,
+        feed_last=True,  # every token's routing, for the take-rates
+    )
+    (_stream_routing if show else _stream_text)(args, gen, tokenizer)
     return 0
 
 
-def _stream_text(
-    args: argparse.Namespace, model: Any, tokenizer: Any, prompt: list, n: int
-) -> None:
-    """Print the prompt, then each sampled token as soon as it is sampled."""
-    steps = stream(
-        model,
-        [prompt],
-        n,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_id=tokenizer.eot_id,
-        seed=args.seed,
-        prefill=args.prefill,
-    )
+def _routing(gen: Generation) -> torch.Tensor:
+    """The decisions of the prompt and of each generated token fed back (a final EOS is not)."""
+    prompt = gen.prompt_routing[0, : int(gen.lens[0])]
+    return torch.cat([prompt, *[r[None] for r in gen.token_routing[0]]])
+
+
+def _stream_text(args: argparse.Namespace, gen: Generation, tokenizer: Any) -> None:
+    """Print the prompt, then each sampled token as soon as it is sampled; then, on stderr, the
+    take-rates."""
     out = sys.stdout
     safe = _shown(out)
     out.write(safe(args.prompt))
     ids: list[int] = []
     shown = ""
-    for st in steps:
+    for st in gen.steps():
         if st.tokens[0] == tokenizer.eot_id:
             break
         ids.append(st.tokens[0])
@@ -133,38 +184,27 @@ def _stream_text(
             out.flush()
             shown = text
     out.write(safe(tokenizer.decode(ids)[len(shown) :]) + "\n")
+    out.flush()
+    if router_names(gen.model):
+        print(take_rate_line(gen.model, _routing(gen)), file=sys.stderr)
 
 
-def _stream_routing(
-    args: argparse.Namespace, model: Any, tokenizer: Any, prompt: list, n: int
-) -> None:
-    """Print each token coloured by how many routed blocks it took, then a legend and the share
-    of tokens per routed layer. A token is printed once its own routing is known, i.e. once it
-    has been fed through the model at the next step: the coloured stream runs one token behind."""
-    import torch
-
-    names = router_names(model)
-    gen = Generation(
-        model,
-        [prompt],
-        n,
-        args.temperature,
-        args.top_k,
-        args.top_p,
-        tokenizer.eot_id,
-        args.seed,
-        args.prefill,
-        feed_last=True,
-    )
+def _stream_routing(args: argparse.Namespace, gen: Generation, tokenizer: Any) -> None:
+    """Print each token coloured by how many routed blocks it took, then a legend and the
+    take-rates. A token is printed once its own routing is known, i.e. once it has been fed
+    through the model at the next step: the coloured stream runs one token behind."""
+    names = router_names(gen.model)
+    prompt = gen.idx[0, : int(gen.lens[0])].tolist()
     out = sys.stdout
     safe = _shown(out)  # the model's text only: the colours around it are ours
+    paint = _painter(args, out)
     pending: list[int] = []
 
     def emit(tok: int, routing: torch.Tensor) -> None:
         pending.append(tok)
         piece = tokenizer.decode(pending)
         if not piece.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            out.write(_paint(safe(piece), int(routing.sum()), len(names)))
+            out.write(paint(safe(piece), int(routing.sum()), len(names)))
             out.flush()
             pending.clear()
 
@@ -185,20 +225,7 @@ def _stream_routing(
         new_ids.append(st.tokens[0])
         flush_fed()
     flush_fed()  # the final token, fed after the last step
-    routing_all = torch.cat([gen.prompt_routing[0], *[r[None] for r in fed]])
     out.write("\n\n")
-    legend = " ".join(_paint(f"{c}", c, len(names)) for c in range(len(names) + 1))
-    took = routing_all.float().mean(0).tolist()
+    legend = " ".join(paint(f"{c}", c, len(names)) for c in range(len(names) + 1))
     out.write(f"routed blocks taken per token (of {len(names)}): {legend}\n")
-    cfg = model.config
-    shares = ", ".join(f"{cfg.recursion_capacity(r):.1%}" for r in cfg.recursion_routed_steps)
-    capacity = (  # a recursion step's own share of all tokens, or MoD's one capacity
-        f"step capacities {shares}" if cfg.recursive and cfg.recursion_router == "expert"
-        else f"balanced depths {shares}" if cfg.recursive
-        else f"capacity {cfg.capacity:.1%}"
-    )  # fmt: skip
-    out.write(
-        "share of tokens per routed layer: "
-        + ", ".join(f"L{name} {t:.0%}" for name, t in zip(names, took, strict=True))
-        + f" ({capacity})\n"
-    )
+    out.write(take_rate_line(gen.model, _routing(gen)) + "\n")

@@ -91,6 +91,21 @@ def prometheus_text(engine_metrics: Mapping[str, Any], http_errors: Mapping[int,
     return "\n".join(lines) + "\n"
 
 
+def take_rate_text(engine_metrics: Mapping[str, Any], config: Any = None) -> str | None:
+    """The engine's take-rates as one line (what `mod serve` says when it stops), with the
+    capacity and whether the thresholds were calibrated when the model's `config` is given;
+    None for a model with no router."""
+    rates = engine_metrics.get("take_rate") or {}
+    if not rates:
+        return None
+    per = ", ".join(f"L{k} {v:.1%}" for k, v in rates.items())
+    text = f"take-rates over the {engine_metrics['tokens_decoded_total']} tokens decoded: {per}"
+    if config is not None:
+        fitted = "calibrated" if config.causal_thresholds else "0, uncalibrated"
+        text += f" (capacity {config.capacity:.1%}; causal thresholds {fitted})"
+    return text
+
+
 def parse_prometheus(text: str) -> dict[str, float | dict[str, float]]:
     """The samples of `prometheus_text`'s output, {name: value} or {name: {label value: value}}
     (for clients: the benchmark and the tests read /metrics with it)."""

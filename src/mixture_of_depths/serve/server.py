@@ -22,6 +22,7 @@ import uvicorn
 
 from .app import ServeState, create_app
 from .guard import protocol
+from .metrics import take_rate_text
 from .types import Access, Limits
 
 log = logging.getLogger("mixture_of_depths.serve")
@@ -125,6 +126,9 @@ def serve(
         f"(max context {engine.max_context} tokens); SIGTERM drains and stops"
     )
     server.run(sockets=[sock])
+    rates = take_rate_text(engine.metrics(), getattr(engine.model, "config", None))
+    if rates:  # the compute the served tokens took, beside the capacity planned
+        say(f"mod serve: {rates}")
     if server.force_exit:
         say("mod serve: stopped by a second signal")
         return 1
