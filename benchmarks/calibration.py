@@ -1,6 +1,7 @@
 """Calibrated causal thresholds, before and after, on trained MoD checkpoints: per routed layer
 the causal take-rate, the causal validation loss, and decode tokens/s, the checkpoint as trained
-(threshold 0) beside the same weights with thresholds fitted by `mod calibrate`'s code
+(threshold 0, or the thresholds it trained with where `mod train` calibrated it at its end)
+beside the same weights with thresholds fitted by `mod calibrate`'s code
 (`mixture_of_depths.calibrate.fit_thresholds`) on every other batch of the run's validation
 windows (`calibrate.fit_and_held`); loss and take-rates are measured on the others.
 
@@ -26,8 +27,9 @@ from mixture_of_depths.bench.common import cpu_snapshot, interleaved, others_bus
 from mixture_of_depths.bench.decode import decode_run
 from mixture_of_depths.calibrate import causal_take_rates, fit_and_held, fit_thresholds
 from mixture_of_depths.data import load_tokenizer
-from mixture_of_depths.runtime.checkpoint import load_model, resolve_checkpoint
+from mixture_of_depths.runtime.checkpoint import load_model, read_json_file, resolve_checkpoint
 from mixture_of_depths.train import evaluate
+from mixture_of_depths.train.calibrate import restore_uncalibrated
 from mixture_of_depths.train.evaluate import run_batches
 
 
@@ -37,6 +39,9 @@ def measure(ckpt: Path, args: argparse.Namespace) -> dict:
     trained, cfg = load_model(ckpt)
     if cfg.is_dense:
         raise SystemExit(f"{ckpt} is a dense model: nothing to calibrate")
+    # `mod train` ends calibrated: "as trained" is the thresholds the run trained with
+    state = ckpt / "trainer.json"
+    cfg = restore_uncalibrated(trained, cfg, read_json_file(state) if state.exists() else None)
     calibrated = load_model(ckpt)[0]
     for m in (trained, calibrated):
         m.eval()
