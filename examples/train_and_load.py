@@ -13,10 +13,13 @@ from mixture_of_depths.train import TrainConfig, evaluate_checkpoint, train
 corpus = Path(mixture_of_depths.__file__).parent  # a few hundred kB of Python, split by file
 with tempfile.TemporaryDirectory() as tmp:
     run = Path(tmp) / "run"
+    # calibrate, as `mod train` does: each causal threshold fitted to the capacity at the end
     settings = TrainConfig(out=str(run), data=str(corpus), steps=30, batch_size=8, seq_len=64,
-                           eval_every=30, eval_batches=2, warmup_steps=5)  # fmt: skip
+                           eval_every=30, eval_batches=2, warmup_steps=5,
+                           calibrate=True)  # fmt: skip
     summary = train(MoDConfig.preset("tiny"), settings, progress=False)
     print(summary["steps"], sorted(summary["routing_recall"]))  # -> 30 ['1', '3']
+    print(sorted(summary["calibration"]["after"]["take_rate"]))  # -> ['1', '3']
     print((run / "checkpoint" / "model.safetensors").exists())  # -> True
 
     model, config = load_model(run)  # a run folder stands for its checkpoint
