@@ -4,6 +4,20 @@ A model is a stack of blocks described by `layer_pattern`, a string of ``D`` (de
 (routed) tiled over the layers: ``"DR"`` on 8 layers is D R D R D R D R. ``"D"`` is the dense
 baseline, built by the same code. The capacity rounding used everywhere (model, prefill, FLOP
 counter, tests) is `capacity_tokens`. docs/semantics.md states the semantics these fields select.
+
+A config keeps what you gave apart from what it resolved (docs/semantics.md, "The config"): a
+field left unset (None) whose default follows from others (`n_kv_heads`, `d_ff`,
+`aux_loss_weight`, `d_ff_expert`, `recursion_capacities`, the `DERIVED` five) stays unset, so
+``dataclasses.replace`` is a fresh construction with the changed fields and re-derives it:
+``replace(MoDConfig.preset("small"), d_model=384).d_ff`` is 1024, as for a config built at 384.
+The dataclass field of each of the five is private (``_d_ff``: what was given, None where it was
+not) and the public name is a property of the resolved value, because ``cfg.d_ff`` is read as the
+MLP's width everywhere, users' code included; the constructor and `replace` take the public names
+(and the private ones that `replace` and `dataclasses.asdict` carry). Everything else reads
+resolved values: equality and hashing (two configs that build the same model are equal),
+`repr`, `to_dict` and the JSON a checkpoint holds (explicit values: a saved config loads to the
+same model whatever later versions derive). The layers' kinds, the routes and their numbering,
+the recursion's steps and the KV cache's layout are derived once, in `topology.Topology`.
 """
 
 from __future__ import annotations
@@ -14,24 +28,26 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, NamedTuple
+from types import SimpleNamespace
+from typing import Any
 
 from .checks import POSITIVE, POSITIVE_INT, SHARE, Range, check_choice, check_fields
+from .derived import (
+    Resolved,
+    aux_loss_weight,
+    expert_width,
+    kv_heads,
+    mlp_width,
+    stored_name,
+    taking_public_names,
+)
 from .fileio import atomic_write_text
 from .presets import PRESETS
 from .recursion_fields import checked_recursion
+from .topology import LAYER_KINDS, Topology
+from .topology import ROUTE_KINDS as ROUTE_KINDS  # re-exported: the routing modes' routers
+from .topology import LayerKind as LayerKind
 
-# The sub-blocks each routing mode routes, one router each (docs/semantics.md, "Joint, staggered
-# and MLP-only routing"): the whole block; attention and the MLP apart; only the MLP, with
-# attention dense in every layer; the attention's keys and values and the MLP, every token
-# querying ("Takers' keys"). That router is named for both ("1.mlp_kv" in logs), not "block":
-# its skippers still run the block's attention, so joint routing's bare "1" would misread it.
-ROUTE_KINDS: dict[str, tuple[str, ...]] = {
-    "joint": ("block",),
-    "staggered": ("attn", "mlp"),
-    "mlp": ("mlp",),
-    "mlp_kv": ("mlp_kv",),
-}
 ROUTING_MODES = tuple(ROUTE_KINDS)
 ROUTER_GATES = ("raw", "sigmoid", "straight_through", "sigmoid_stopgrad")
 CAUSAL_ROUTERS = ("aux_loss", "predictor")
@@ -87,34 +103,22 @@ def capacity_tokens(capacity: float | tuple[int, int], seq_len: Any) -> Any:
     return num * seq_len // den  # <= seq_len since num <= den
 
 
-MAX_D_FF = 1 << 20  # a sanity bound on the MLP width derived from ff_mult
-
-
-class LayerKind(NamedTuple):
-    description: str
-    routed: bool  # a router picks its tokens (the block has routes, take-rates, a smaller cache)
-
-
-# The letters of `layer_pattern`. Each maps to one block class in model.BLOCKS (and its cost).
-LAYER_KINDS = {
-    "D": LayerKind("dense block: every token takes it", routed=False),
-    "R": LayerKind("routed block: a router picks the tokens that take it", routed=True),
-}
-
-
-@dataclass(frozen=True)
+@taking_public_names
+@dataclass(frozen=True, eq=False, repr=False)
 class MoDConfig:
     """Hyper-parameters of a `MoDTransformer`; validated on construction, round-trips via JSON.
 
-    Frozen: a model reads its config throughout, so change one with `dataclasses.replace`.
+    Frozen: a model reads its config throughout, so change one with `dataclasses.replace`, which
+    builds the config afresh from what was given and the change (the module docstring says how
+    the fields whose default is derived keep what was given).
     """
 
     vocab_size: int = 257
     d_model: int = 256
     n_layers: int = 8
     n_heads: int = 8
-    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
-    d_ff: int | None = None  # None: ff_mult * d_model rounded up to a multiple of 32
+    _n_kv_heads: int | None = None  # n_kv_heads; None: same as n_heads (multi-head attention)
+    _d_ff: int | None = None  # d_ff; None: ff_mult * d_model rounded up to a multiple of 32
     ff_mult: float = 8 / 3  # SwiGLU keeps parameters of a 4x GELU MLP at 8/3
     max_seq_len: int = 256
     layer_pattern: str = "DR"
@@ -139,10 +143,11 @@ class MoDConfig:
     # aux-loss router's logit, or the predictor's); () is 0 for every router. `mod calibrate`
     # fits them so that each causal take-rate on held-out text is the capacity.
     causal_thresholds: tuple[float, ...] = ()
-    # The weight of the causal-router loss (the router's BCE, or the predictor's). None: the
-    # study's best for the causal router, 0.1 for the predictor (whose BCE never reaches the LM)
-    # and 0.01 for the aux loss (0.1 and 1.0 make the router pick what is easy to predict).
-    aux_loss_weight: float | None = None
+    # aux_loss_weight: the weight of the causal-router loss (the router's BCE, or the
+    # predictor's). None: the study's best for the causal router, 0.1 for the predictor (whose
+    # BCE never reaches the LM) and 0.01 for the aux loss (0.1 and 1.0 make the router pick what
+    # is easy to predict).
+    _aux_loss_weight: float | None = None
     predictor_hidden: int = 64
     # "none": a routed token attends only to earlier tokens that took the layer, whose cache
     # holds only them. "residual": the layer computes keys and values of every token from its
@@ -157,7 +162,7 @@ class MoDConfig:
     # layer. Pattern "DR": staged MoDE; "D" with no-op experts: integrated MoDE.
     n_experts: int = 0  # 0: the plain SwiGLU MLP
     experts_per_token: int = 1  # token-choice top-k over real and no-op experts
-    d_ff_expert: int | None = None  # None: d_ff // experts_per_token (same active parameters)
+    _d_ff_expert: int | None = None  # d_ff_expert; None: d_ff // experts_per_token (same active)
     n_noop_experts: int = 0  # > 0: integrated MoDE (a no-op expert adds exactly zero)
     expert_capacity_factor: float | None = None  # None: no dropping (training top-k only)
     moe_balance_loss_weight: float = 1e-2  # Switch Transformer's load-balancing loss
@@ -173,42 +178,42 @@ class MoDConfig:
     # later steps read the first pass's keys and values of every token and cache nothing.
     recursions: int = 1
     recursion_sharing: str = "middle_cycle"
-    recursion_capacities: tuple[float, ...] | None = None
+    _recursion_capacities: tuple[float, ...] | None = None  # recursion_capacities
     recursion_router: str = "expert"
     recursion_kv: str = "recursion"
 
     def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.aux_loss_weight is None:  # token-choice recursion: Switch's balancing weight
-            token = self.recursions != 1 and self.recursion_router == "token"
-            weight = 0.01 if self.causal_router == "aux_loss" or token else 0.1
-            object.__setattr__(self, "aux_loss_weight", weight)
-        check_fields(self, MODEL_RANGES)  # before anything computes with them (d_ff from ff_mult)
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} must divide d_model={self.d_model} "
-                f"(d_model % n_heads = {self.d_model % self.n_heads})"
-            )
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError(
-                f"head dim d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE"
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (grouped-query "
-                "attention shares each key/value head among a whole number of query heads)"
-            )
-        if self.d_ff is None:
-            d_ff = 32 * math.ceil(self.ff_mult * self.d_model / 32)
-            if d_ff > MAX_D_FF:
-                raise ValueError(
-                    f"ff_mult={self.ff_mult} gives d_ff={d_ff}, more than {MAX_D_FF}: "
-                    "give a smaller ff_mult (8/3 is the usual SwiGLU size)"
-                )
-            object.__setattr__(self, "d_ff", d_ff)
-        POSITIVE_INT.check("d_ff", self.d_ff)
-        self._check_experts()
+        caps = self._recursion_capacities
+        if isinstance(caps, list):  # from JSON: stored as a tuple, as given
+            object.__setattr__(self, "_recursion_capacities", tuple(caps))
+        # what was given, before anything computes with it (d_ff from ff_mult)
+        check_fields(SimpleNamespace(**self._given()), MODEL_RANGES)
+        # Derived, not fields (never written over what was given): the resolved values, the
+        # topology (and in _check_kinds the capacity as integers).
+        object.__setattr__(self, "_resolved", self._resolve())
+        object.__setattr__(self, "_topology", Topology.of(self))
+        self._check_random_take_rates()
+        self._check_causal_thresholds()
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+
+    def _given(self) -> dict[str, Any]:
+        """Every field by its public name, as given (None: derived)."""
+        return {name: getattr(self, stored_name(name)) for name in FIELD_NAMES}
+
+    def _resolve(self) -> Resolved:
+        """The `DERIVED` fields' values (derived.py), with the checks of what they combine
+        with."""
+        g = SimpleNamespace(**self._given())
+        n_kv_heads = kv_heads(g)
+        d_ff = mlp_width(g)
+        d_ff_expert = expert_width(g, d_ff)
+        self._check_kinds()
+        caps = checked_recursion(g)  # docs/mor.md
+        return Resolved(n_kv_heads, d_ff, aux_loss_weight(g), d_ff_expert, caps)
+
+    def _check_kinds(self) -> None:
+        """The layer pattern, the capacity and the string fields, alone and together."""
         if not isinstance(self.layer_pattern, str) or not self.layer_pattern:
             raise ValueError(
                 f"layer_pattern must be a non-empty string of 'D'/'R', got {self.layer_pattern!r}"
@@ -220,9 +225,8 @@ class MoDConfig:
                 f"layer_pattern={self.layer_pattern!r} has unknown letters {bad}; allowed: "
                 + allowed
             )
-        # Derived, not a field: the exact capacity as integers for `capacity_tokens`.
         object.__setattr__(self, "_capacity_ratio", capacity_ratio(self.capacity))
-        object.__setattr__(self, "capacity", float(self.capacity))
+        object.__setattr__(self, "capacity", float(self.capacity))  # as given, as a float
         for name, allowed in FIELD_CHOICES.items():
             check_choice(name, getattr(self, name), allowed)
         if self.routing == "mlp" and self.skipped_kv == "residual":
@@ -234,12 +238,6 @@ class MoDConfig:
             )
         if self.routing == "mlp_kv":
             self._check_takers_kv()
-        self._check_random_take_rates()
-        caps = checked_recursion(self)  # docs/mor.md: stored one share per step
-        object.__setattr__(self, "recursion_capacities", caps)
-        self._check_causal_thresholds()
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 
     def _check_takers_kv(self) -> None:
         """What ``routing="mlp_kv"`` refuses, by name (docs/semantics.md, "Takers' keys")."""
@@ -273,7 +271,7 @@ class MoDConfig:
                 f"random_take_rates={self.random_take_rates!r} needs router_scores='random', "
                 f"where the noise itself decides (got router_scores={self.router_scores!r})"
             )
-        n = len(self.routed_layers) * len(ROUTE_KINDS[self.routing])
+        n = self.n_routers
         try:
             rates = [float(v) for v in self.random_take_rates.split(",")]
         except ValueError:
@@ -311,6 +309,40 @@ class MoDConfig:
                              "by their own noise)")  # fmt: skip
         object.__setattr__(self, "causal_thresholds", values)
 
+    # -- the resolved values of the DERIVED fields -------------------------------------------------
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention): as given, else n_heads."""
+        return self._resolved.n_kv_heads
+
+    @property
+    def d_ff(self) -> int:
+        """The MLP's hidden width: as given, else ff_mult * d_model rounded up to 32s."""
+        return self._resolved.d_ff
+
+    @property
+    def aux_loss_weight(self) -> float:
+        """The causal-router loss's weight: as given, else by the causal router (the fields)."""
+        return self._resolved.aux_loss_weight
+
+    @property
+    def d_ff_expert(self) -> int | None:
+        """An expert's hidden width: as given, else d_ff // experts_per_token (None: none)."""
+        return self._resolved.d_ff_expert
+
+    @property
+    def recursion_capacities(self) -> tuple[float, ...] | None:
+        """Expert choice: one share of the sequence per recursion step, the first 1.0 (halving
+        at each step where none was given); None without recursion or with token choice."""
+        return self._resolved.recursion_capacities
+
+    # -- the topology (topology.py) ---------------------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        """The layers' kinds, the routes and their numbering, the recursion's steps and the KV
+        cache's layout: derived once, read by the model, the caches and the FLOP count."""
+        return self._topology
+
     @property
     def recursive(self) -> bool:
         return self.recursions > 1
@@ -319,11 +351,7 @@ class MoDConfig:
     def recursion_routed_steps(self) -> list[int]:
         """The recursion steps (1 .. recursions - 1) with a router: all with token choice;
         with expert choice those below capacity 1 (a step at 1.0 is every token's)."""
-        if not self.recursive:
-            return []
-        if self.recursion_router == "token":
-            return list(range(1, self.recursions))
-        return [r for r, c in enumerate(self.recursion_capacities) if c < 1]
+        return list(self._topology.recursion_routed_steps)
 
     def recursion_capacity(self, step: int) -> float:
         """The share of the sequence that takes recursion step `step` (0: every token): expert
@@ -334,9 +362,7 @@ class MoDConfig:
                 f"recursion step {step!r}: this model's steps are 0 .. {self.recursions - 1} "
                 f"(recursions={self.recursions})"
             )
-        if self.recursion_router == "token":
-            return (self.recursions - step) / self.recursions
-        return self.recursion_capacities[step]
+        return self._topology.step_shares[step]
 
     def recursion_tokens(self, step: int, seq_len: Any) -> Any:
         """Expert choice: the tokens per row of `seq_len` that take recursion step `step`."""
@@ -345,47 +371,32 @@ class MoDConfig:
     @property
     def recursion_layers(self) -> tuple[list[int], list[int], list[int]]:
         """The unique layers before the recursion, the shared ones, and those after it."""
-        n = self.n_layers
-        if self.recursion_sharing == "cycle" or not self.recursive:
-            return [], list(range(n)), []
-        return [0], list(range(1, n - 1)), [n - 1]
+        pre, shared, post = self._topology.recursion_layers
+        return list(pre), list(shared), list(post)
 
     @property
     def layer_schedule(self) -> list[tuple[int, int | None]]:
         """Every application of a layer in forward order: (layer, recursion step), step None for
         a unique layer of "middle_cycle". Its index is the application's KV-cache layer."""
-        pre, shared, post = self.recursion_layers
-        steps = [(layer, r) for r in range(self.recursions) for layer in shared]
-        if not self.recursive:
-            return [(layer, None) for layer in range(self.n_layers)]
-        return [(layer, None) for layer in pre] + steps + [(layer, None) for layer in post]
+        return list(self._topology.layer_schedule)
 
     @property
     def n_kv_layers(self) -> int:
         """Layers of a KV cache: one per application of a layer (`layer_schedule`)."""
-        return len(self.layer_schedule)
+        return self._topology.n_kv_layers
 
     def kv_share(self, layer: int) -> float:
         """The share of tokens KV-cache layer `layer` holds when routing takes the capacity: 1
         for every-token layers, the capacity for routed ones, a recursion step's share (0 for a
         later step with ``recursion_kv="share"``: it reads the first pass's)."""
-        if layer in set(self.full_kv_layers):
-            return 1.0
-        if not self.recursive:
-            return self.capacity
-        step = self.layer_schedule[layer][1]
-        if self.recursion_kv == "share":
-            return 0.0
-        return self.recursion_capacity(step)  # token choice: balanced depths
+        return self._topology.kv_shares[layer]
 
     @property
     def n_routers(self) -> int:
         """Routers in the model: one per routed layer and route kind (`ROUTE_KINDS`); in a
         recursive model one per routed step with expert choice (token choice decides exactly:
         no causal threshold)."""
-        if self.recursive:
-            return 0 if self.recursion_router == "token" else len(self.recursion_routed_steps)
-        return len(self.routed_layers) * len(ROUTE_KINDS[self.routing])
+        return self._topology.n_routers
 
     def causal_threshold(self, router: int) -> float:
         """The threshold of router number `router` (forward order) on its causal score."""
@@ -397,37 +408,10 @@ class MoDConfig:
             return self.capacity
         return float(self.random_take_rates.split(",")[router])
 
-    def _check_experts(self) -> None:
-        if self.n_experts == 0:
-            given = {
-                "n_noop_experts": self.n_noop_experts or None,
-                "expert_capacity_factor": self.expert_capacity_factor,
-                "experts_per_token": None if self.experts_per_token == 1 else 1,
-                "d_ff_expert": self.d_ff_expert,
-            }
-            if any(v is not None for v in given.values()):
-                got = ", ".join(
-                    f"{k}={getattr(self, k)}" for k, v in given.items() if v is not None
-                )
-                raise ValueError(
-                    "n_noop_experts, expert_capacity_factor, experts_per_token and d_ff_expert "
-                    f"need an expert layer: set n_experts > 0 (got n_experts=0, {got})"
-                )
-            return
-        if self.d_ff_expert is None:
-            object.__setattr__(self, "d_ff_expert", max(1, self.d_ff // self.experts_per_token))
-        choices = self.n_experts + self.n_noop_experts
-        if self.experts_per_token > choices:
-            raise ValueError(
-                f"experts_per_token={self.experts_per_token} is more than the "
-                f"{choices} experts (n_experts + n_noop_experts) a token can choose from"
-            )
-
     @property
     def has_experts(self) -> bool:
         return self.n_experts > 0
 
-    # -- derived ----------------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
@@ -435,13 +419,12 @@ class MoDConfig:
     @property
     def layer_kinds(self) -> str:
         """The pattern tiled over the layers, one letter per layer: e.g. ``"DRDRDRDR"``."""
-        p = self.layer_pattern
-        return (p * math.ceil(self.n_layers / len(p)))[: self.n_layers]
+        return self._topology.layer_kinds
 
     @property
     def routed_layers(self) -> list[int]:
         """The layers whose kind lets a router pick the tokens (LAYER_KINDS[...].routed)."""
-        return [i for i, kind in enumerate(self.layer_kinds) if LAYER_KINDS[kind].routed]
+        return list(self._topology.routed_layers)
 
     @property
     def has_predictor(self) -> bool:
@@ -461,12 +444,7 @@ class MoDConfig:
         """The layers whose KV cache holds every token: dense ones, and routed ones too with
         ``skipped_kv="residual"`` or ``routing="mlp"`` (attention dense); with
         ``routing="mlp_kv"`` a routed layer holds its takers alone, as joint routing's does."""
-        if self.recursive:  # unique layers, the first pass, steps every token takes
-            routed = set(self.recursion_routed_steps)
-            return [i for i, (_, r) in enumerate(self.layer_schedule) if r not in routed]
-        every = self.skipped_kv == "residual" or self.routing == "mlp"
-        routed = set() if every else set(self.routed_layers)
-        return [i for i in range(self.n_layers) if i not in routed]
+        return list(self._topology.full_kv_layers)
 
     @property
     def capacity_ratio(self) -> tuple[int, int]:
@@ -510,16 +488,32 @@ class MoDConfig:
             expert_capacity_factor=None,
         )
 
-    # -- serialisation ----------------------------------------------------------------------------
+    # -- equality and serialisation: by the resolved values ------------------------------------
+    def resolved(self) -> dict[str, Any]:
+        """Every field's resolved value by its public name (what `to_dict` writes)."""
+        return {name: getattr(self, name) for name in FIELD_NAMES}
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when they build the same model: the same resolved value of every field, whether
+        given or derived (``MoDConfig() == MoDConfig(d_ff=704)``)."""
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.resolved() == other.resolved()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.resolved().values()))
+
+    def __repr__(self) -> str:
+        return f"MoDConfig({', '.join(f'{k}={v!r}' for k, v in self.resolved().items())})"
+
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON has them (tuples as lists): what `to_json` writes."""
-        return {
-            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
-        }
+        """The resolved values as JSON has them (tuples as lists): what `to_json` writes,
+        explicit, so that it loads to this very model whatever later versions derive."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.resolved().items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MoDConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(FIELD_NAMES)
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown MoDConfig fields {unknown}; known: {sorted(known)}")
@@ -560,14 +554,13 @@ class MoDConfig:
 
 # The allowed range of every numeric field, checked in one place (`checks.check_fields`).
 MODEL_RANGES: dict[str, Range] = {
-    **dict.fromkeys(
-        ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"), POSITIVE_INT
-    ),
+    **dict.fromkeys(("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"), POSITIVE_INT),
+    "n_kv_heads": Range(lo=1, integer=True, optional=True),
     "d_ff": Range(lo=1, integer=True, optional=True),
     "predictor_hidden": POSITIVE_INT,
     "ff_mult": Range(lo=0, hi=1024, lo_open=True),
     "capacity": SHARE,
-    "aux_loss_weight": Range(lo=0),
+    "aux_loss_weight": Range(lo=0, optional=True),
     "rope_theta": POSITIVE,
     "norm_eps": Range(lo=0, hi=1, lo_open=True),
     "init_std": POSITIVE,
@@ -580,3 +573,6 @@ MODEL_RANGES: dict[str, Range] = {
     "moe_z_loss_weight": Range(lo=0),
     "recursions": Range(lo=1, hi=16, integer=True),
 }
+
+# Every field by the name the constructor, `to_dict` and the CLI give it, in field order.
+FIELD_NAMES = tuple(f.name.removeprefix("_") for f in dataclasses.fields(MoDConfig))

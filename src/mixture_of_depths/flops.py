@@ -133,6 +133,11 @@ class FlopReport:
         return out
 
 
+# The sub-blocks, (attention, MLP) by index, that only a route kind's takers run: "mlp_kv"'s
+# attention runs every token's query (its takers are the keys alone).
+ROUTED_SUBBLOCKS = {"block": (0, 1), "attn": (0,), "mlp": (1,), "mlp_kv": (1,)}
+
+
 def _take_rates(cfg: MoDConfig, take_rate: float | list[float] | None) -> list[float]:
     n_routed = len(cfg.recursion_routed_steps or cfg.routed_layers)
     if cfg.recursive and take_rate is None:  # each step's capacity (token choice: balanced)
@@ -319,22 +324,17 @@ def _decode_estimate(
 
 def layer_shares(cfg: MoDConfig, per_router: Sequence[float]) -> list[tuple[float, float]]:
     """Per layer (attention share, MLP share) of the tokens that run it, from per-router shares in
-    router order (``generate.router_names``): (1, 1) for a dense layer, (r, r) for joint routing,
-    (r_attn, r_mlp) for staggered routing, (1, r_mlp) for MLP-only routing, (1, r) for
-    ``routing="mlp_kv"`` (every token queries; the takers' share keys and runs the MLP)."""
-    it = iter(per_router)
-    shares = []
-    for kind in cfg.layer_kinds:
-        if not LAYER_KINDS[kind].routed:
-            shares.append((1.0, 1.0))
-        elif cfg.routing == "joint":
-            r = next(it)
-            shares.append((r, r))
-        elif cfg.routing in ("mlp", "mlp_kv"):
-            shares.append((1.0, next(it)))
-        else:
-            shares.append((next(it), next(it)))
-    return shares
+    router order (`Topology.routes`, ``generate.router_names``): (1, 1) for a dense layer, (r, r)
+    for joint routing, (r_attn, r_mlp) for staggered routing, (1, r_mlp) for MLP-only routing,
+    (1, r) for ``routing="mlp_kv"`` (every token queries; the takers' share keys and runs the
+    MLP). A recursive model's layers are all dense here (its steps are priced apart)."""
+    shares = [[1.0, 1.0] for _ in range(cfg.n_layers)]
+    if cfg.recursive:
+        return [(a, m) for a, m in shares]
+    for (layer, kind), r in zip(cfg.topology.routes, per_router, strict=True):
+        for i in ROUTED_SUBBLOCKS[kind]:
+            shares[layer][i] = r
+    return [(a, m) for a, m in shares]
 
 
 def decode_cost(

@@ -95,10 +95,8 @@ class MoDTransformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def route_names(self) -> list[str]:
-        """The names of the routes a forward returns, in order (`Route.name`)."""
-        if self.recursion is not None:
-            return [route_name(r, RECURSION) for r in self.recursion.routed]
-        return [route_name(b.layer, k) for b in self.blocks if b.routed for k in b.route_kinds]
+        """The names of the routes a forward returns, in order (`Route.name`, `Topology.routes`)."""
+        return [route_name(layer, kind) for layer, kind in self.config.topology.routes]
 
     def predictor_for(self, route: Route) -> Predictor:
         """The causal predictor that scored `route` (predictor mode)."""

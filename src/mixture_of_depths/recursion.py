@@ -43,8 +43,9 @@ from .routing import (
     topk_indices,
     topk_mask,
 )
+from .topology import RECURSION
 
-KIND = "recursion"  # Route.kind of a recursion step; Route.layer is the step number
+KIND = RECURSION  # Route.kind of a recursion step; Route.layer is the step number
 
 
 def _capture(store: dict[int, tuple[Tensor, Tensor]], layer: int, inner: KVHook | None) -> KVHook:
@@ -75,8 +76,6 @@ class Recursion(nn.Module):
             self.predictor = nn.ModuleDict(
                 {str(r): Predictor(cfg.d_model, cfg.predictor_hidden) for r in self.routed}
             )
-        sched = cfg.layer_schedule
-        self.first_pass = {layer: i for i, (layer, r) in enumerate(sched) if r == 0}
 
     # -- the forward ----------------------------------------------------------------------------
     def forward(
@@ -84,38 +83,36 @@ class Recursion(nn.Module):
     ) -> tuple[Tensor, list[Route], Tensor | None]:
         """The stack over `x_BTD`: the new stream, one route per routed step, the aux loss."""
         cfg = self.cfg
-        pre, shared, post = cfg.recursion_layers
+        pre, shared, post = cfg.topology.recursion_layers
         first: dict[int, tuple[Tensor, Tensor]] = {}  # "share": each layer's first-pass K/V
-        vl = 0  # the application's KV-cache layer
         for layer in pre:
-            x_BTD = self.every_token(blocks[layer], vl, x_BTD, p, None)
-            vl += 1
+            x_BTD = self.every_token(blocks[layer], None, x_BTD, p, None)
         depth = self.depths(x_BTD) if self.token else None
         routes: list[Route] = []
         take_BT = topk_BT = None  # the tokens active (causal or top-k), None: all
         for r in range(cfg.recursions):
             if r == 0 or r not in self.routed:  # every token (the first pass, a step at 1.0)
                 store = first if r == 0 and cfg.recursion_kv == "share" else None
-                for i, layer in enumerate(shared):
-                    x_BTD = self.every_token(blocks[layer], vl + i, x_BTD, p, store)
+                for layer in shared:
+                    x_BTD = self.every_token(blocks[layer], r, x_BTD, p, store)
             else:
-                x_BTD, route = self.step(r, blocks, vl, x_BTD, p, take_BT, topk_BT, depth, first)
+                x_BTD, route = self.step(r, blocks, x_BTD, p, take_BT, topk_BT, depth, first)
                 routes.append(route)
                 take_BT, topk_BT = route.mask, route.target
-            vl += len(shared)
         for layer in post:
-            x_BTD = self.every_token(blocks[layer], vl, x_BTD, p, None)
-            vl += 1
+            x_BTD = self.every_token(blocks[layer], None, x_BTD, p, None)
         aux = None
         if p.cache is None:
             aux = self.balance_loss(depth) if self.token else router_aux_loss(routes, x_BTD)
         return x_BTD, routes, aux
 
     def every_token(
-        self, block: Block, vl: int, x_BTD: Tensor, p: Pass, store: dict | None
+        self, block: Block, step: int | None, x_BTD: Tensor, p: Pass, store: dict | None
     ) -> Tensor:
-        """A dense application of `block` as KV-cache layer `vl` (a prefill caches the real
-        tokens); with `store`, its keys and values kept for the later steps ("share")."""
+        """A dense application of `block` at recursion step `step` (None: a unique layer; a
+        prefill caches the real tokens); with `store`, its keys and values kept for the later
+        steps ("share")."""
+        vl = self.cfg.topology.kv_layer(block.layer, step)
         kv = None if p.cache is None else kv_hook(p.cache, vl, p.valid_BT, p.decode)
         if store is not None and not p.decode:
             kv = _capture(store, block.layer, kv)
@@ -150,7 +147,7 @@ class Recursion(nn.Module):
         if self.cfg.has_predictor:  # behind a stop-gradient, as MoD's (routed.py)
             pred = self.predictor[str(r)]
             pred_BT = pred(x_BTD.detach() if torch.is_grad_enabled() else x_BTD)
-        thr = self.cfg.causal_threshold(self.routed.index(r))
+        thr = self.cfg.causal_threshold(self.cfg.topology.router_index(r, KIND))
         g = gate(self.cfg, r_BT, x_BTD)
         return r_BT, g, pred_BT, r_BT if pred_BT is None else pred_BT, thr
 
@@ -158,7 +155,6 @@ class Recursion(nn.Module):
         self,
         r: int,
         blocks: nn.ModuleList,
-        vl: int,
         x_BTD: Tensor,
         p: Pass,
         take_BT: Tensor | None,
@@ -171,12 +167,12 @@ class Recursion(nn.Module):
         if p.decode:  # one token per row, causal: the one host sync of the step
             take = decide_BT > thr
             take = (take if take_BT is None else take & take_BT.to(take.device)).cpu()
-            x_BTD = self.run_rows(r, blocks, vl, x_BTD, g_BT, take, p)
+            x_BTD = self.run_rows(r, blocks, x_BTD, g_BT, take, p)
             return x_BTD, Route(r, KIND, take, logits, None, pred_BT, thr)
         B, T = logits.shape
         if depth is not None:  # token choice: exact, every mode
             take = decide_BT > thr if p.valid_BT is None else (decide_BT > thr) & p.valid_BT
-            x_BTD = self.run_masked(r, blocks, vl, x_BTD, g_BT, take, p, first)
+            x_BTD = self.run_masked(r, blocks, x_BTD, g_BT, take, p, first)
             return x_BTD, Route(r, KIND, take, logits, take, None, thr)
         # expert choice: the top-k of the tokens still active in top-k routing
         score = logits if topk_BT is None else logits.masked_fill(~topk_BT, float("-inf"))
@@ -184,7 +180,7 @@ class Recursion(nn.Module):
             idx_BK = topk_indices(score, self.cfg.recursion_tokens(r, T))
             target = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx_BK, True)
             if p.routing == "topk":
-                x_BTD = self.run_topk(blocks, vl, x_BTD, g_BT, idx_BK, p, first)
+                x_BTD = self.run_topk(r, blocks, x_BTD, g_BT, idx_BK, p, first)
                 return x_BTD, Route(r, KIND, target, logits, target, pred_BT, thr)
         else:  # right-padded prompts: each row's own tokens
             target = topk_mask(score, self.cfg.recursion_tokens(r, p.lengths), p.valid_BT)
@@ -194,29 +190,29 @@ class Recursion(nn.Module):
             take = decide_BT > thr if take_BT is None else (decide_BT > thr) & take_BT
         if p.valid_BT is not None:
             take = take & p.valid_BT
-        x_BTD = self.run_masked(r, blocks, vl, x_BTD, g_BT, take, p, first)
+        x_BTD = self.run_masked(r, blocks, x_BTD, g_BT, take, p, first)
         return x_BTD, Route(r, KIND, take, logits, target, pred_BT, thr)
 
     def shared_kv(
         self,
         layer: int,
-        i: int,
-        vl: int,
+        r: int,
         p: Pass,
         take: Tensor | None,
         first: dict,
         mask: Tensor | None,
     ) -> KVHook | LayerKV | None:
-        """What shared layer `layer` (KV-cache layer vl + i) attends to at a routed step:
-        ("share") the first pass's keys under `mask`, or ("recursion") its own tokens, cached."""
+        """What shared layer `layer` attends to at routed step r: ("share") the first pass's
+        keys under `mask`, or ("recursion") its own tokens, cached in the step's KV layer."""
         if self.cfg.recursion_kv == "share":
             return LayerKV(*first[layer], mask)
-        return None if p.cache is None else kv_hook(p.cache, vl + i, take, False)
+        vl = self.cfg.topology.kv_layer(layer, r)
+        return None if p.cache is None else kv_hook(p.cache, vl, take, False)
 
     def run_topk(
         self,
+        r: int,
         blocks: nn.ModuleList,
-        vl: int,
         x_BTD: Tensor,
         g_BT: Tensor,
         idx_BK: Tensor,
@@ -235,8 +231,8 @@ class Recursion(nn.Module):
         # "share": chosen token i reads the first pass's keys at positions <= idx[i]
         seen = (torch.arange(T, device=idx_BK.device) <= idx_BK[:, :, None]).unsqueeze(1)
         y_BKD = x0_BKD
-        for i, layer in enumerate(self.cfg.recursion_layers[1]):
-            kv = self.shared_kv(layer, i, vl, p, None, first, seen)
+        for layer in self.cfg.topology.recursion_layers[1]:
+            kv = self.shared_kv(layer, r, p, None, first, seen)
             y_BKD = y_BKD + blocks[layer].update("block", y_BKD, cos, sin, None, kv, p)
         g_BK = g_BT.gather(1, idx_BK).unsqueeze(-1)
         out_BKD = x0_BKD + g_BK * (y_BKD - x0_BKD)
@@ -246,7 +242,6 @@ class Recursion(nn.Module):
         self,
         r: int,
         blocks: nn.ModuleList,
-        vl: int,
         x_BTD: Tensor,
         g_BT: Tensor,
         take_BT: Tensor,
@@ -257,8 +252,8 @@ class Recursion(nn.Module):
         first pass's keys of every earlier token ("share"); the others keep x."""
         mask = None if self.cfg.recursion_kv == "share" else causal_attention_mask(take_BT)
         y_BTD = x_BTD
-        for i, layer in enumerate(self.cfg.recursion_layers[1]):
-            kv = self.shared_kv(layer, i, vl, p, take_BT, first, None)
+        for layer in self.cfg.topology.recursion_layers[1]:
+            kv = self.shared_kv(layer, r, p, take_BT, first, None)
             y_BTD = y_BTD + blocks[layer].update("block", y_BTD, p.cos, p.sin, mask, kv, p)
         out_BTD = x_BTD + g_BT.unsqueeze(-1) * (y_BTD - x_BTD)
         return torch.where(take_BT.unsqueeze(-1), out_BTD, x_BTD)
@@ -267,7 +262,6 @@ class Recursion(nn.Module):
         self,
         r: int,
         blocks: nn.ModuleList,
-        vl: int,
         x_N1D: Tensor,
         g_N1: Tensor,
         take_N1: Tensor,
@@ -282,11 +276,12 @@ class Recursion(nn.Module):
         x0_M1D, cos, sin = x_N1D[sel_d], p.cos[sel_d], p.sin[sel_d]
         cache = p.cache.subset(sel)
         y_M1D = x0_M1D
-        for i, layer in enumerate(self.cfg.recursion_layers[1]):
-            if self.cfg.recursion_kv == "share":
-                kv: KVHook | LayerKV = LayerKV(*cache.read(self.first_pass[layer]))
+        topo = self.cfg.topology
+        for layer in topo.recursion_layers[1]:
+            if self.cfg.recursion_kv == "share":  # the first pass's keys and values
+                kv: KVHook | LayerKV = LayerKV(*cache.read(topo.kv_layer(layer, 0)))
             else:
-                kv = kv_hook(cache, vl + i, None, decode=True)
+                kv = kv_hook(cache, topo.kv_layer(layer, r), None, decode=True)
             y_M1D = y_M1D + blocks[layer].update("block", y_M1D, cos, sin, None, kv, p)
         out_M1D = x0_M1D + g_N1[sel_d].unsqueeze(-1) * (y_M1D - x0_M1D)
         return x_N1D.index_copy(0, sel_d, out_M1D)

@@ -1,6 +1,6 @@
 """What the recursion fields of `MoDConfig` may hold (docs/mor.md): `recursions`,
 `recursion_sharing`, `recursion_capacities`, `recursion_router`, `recursion_kv`, checked against
-each other and the rest of the config, the capacities in their one stored form."""
+each other and the rest of the config, the capacities in their one resolved form."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Any
 
 
 def checked_recursion(cfg: Any) -> tuple[float, ...] | None:
-    """Refuse recursion fields of `cfg` (a `MoDConfig` being built; typed loosely, as config.py
-    imports this module) that do not fit together, with a ValueError naming the value and what
-    is allowed, and return `recursion_capacities` as stored: one share per recursion step, the
-    first 1.0 (expert choice; None without recursion or with token choice). The routed steps'
-    shares alone (N_r - 1 of them) are read as the steps after the first."""
+    """Refuse recursion fields of `cfg` (the fields of a `MoDConfig` being built, as given, by
+    their public names; typed loosely, as config.py imports this module) that do not fit
+    together, with a ValueError naming the value and what is allowed, and return
+    `recursion_capacities` resolved: one share per recursion step, the first 1.0 (expert choice;
+    None without recursion or with token choice; halving at each step where none was given).
+    The routed steps' shares alone (N_r - 1 of them) are read as the steps after the first."""
     defaults = {"recursion_sharing": "middle_cycle", "recursion_router": "expert",
                 "recursion_kv": "recursion", "recursion_capacities": None}  # fmt: skip
     if cfg.recursions == 1:

@@ -3,7 +3,7 @@ routing rule written for every path: top-k with gather and scatter (training), e
 a mask (causal evaluation, prefill) and only the taking rows (decode). docs/semantics.md states
 what is computed.
 
-``routing`` says what the routers route (`config.ROUTE_KINDS`): the whole block ("joint"),
+``routing`` says what the routers route (`topology.ROUTE_KINDS`): the whole block ("joint"),
 attention and the MLP apart ("staggered"), only the MLP ("mlp"), attention then running for
 every token as in a dense block, or the attention's keys and values and the MLP ("mlp_kv":
 every token queries the takers' keys, mlp_kv.py). A chosen token leaves a routed sub-block as
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from . import kernels, mlp_kv
 from .blocks import Block, Count, Pass
 from .cache import kv_hook
-from .config import ROUTE_KINDS, MoDConfig
+from .config import MoDConfig
 from .kernels import fused
 from .layers import KVHook, LayerCost, LayerKV, Predictor, price
 from .routing import (
@@ -48,7 +48,7 @@ class RoutedBlock(Block):
 
     def __init__(self, cfg: MoDConfig, layer: int) -> None:
         super().__init__(cfg, layer)
-        self.route_kinds = ROUTE_KINDS[cfg.routing]
+        self.route_kinds = cfg.topology.route_kinds
         self.router = nn.ModuleDict(
             {kind: nn.Linear(cfg.d_model, 1, bias=False) for kind in self.route_kinds}
         )
@@ -58,10 +58,8 @@ class RoutedBlock(Block):
             )
 
     def router_index(self, kind: str) -> int:
-        """This router's number among the model's, in forward order."""
-        return self.cfg.routed_layers.index(self.layer) * len(self.route_kinds) + (
-            self.route_kinds.index(kind)
-        )
+        """This router's number among the model's, in forward order (`Topology.routes`)."""
+        return self.cfg.topology.router_index(self.layer, kind)
 
     def router_weight(self, kind: str, x_BTD: Tensor) -> Tensor:
         """Raw router weights r = x @ w (B, T), in at least float32."""
@@ -248,7 +246,7 @@ class RoutedBlock(Block):
         keys: Count = None,
         expert_share: float = 1.0,
     ) -> LayerCost:
-        routers = len(ROUTE_KINDS[cfg.routing])  # staggered: attention's and the MLP's
+        routers = len(cfg.topology.route_kinds)  # staggered: attention's and the MLP's
         predicted = tokens * routers if cfg.has_predictor else 0.0
         if cfg.routing == "mlp_kv":  # `attn`: the queries (every token); `mlp`: the takers
             return mlp_kv.cost(cfg, tokens, attn, mlp, keys, predicted, expert_share)

@@ -105,25 +105,26 @@ def add_dataclass_flags(
     base = MoDConfig.preset(DEFAULT_PRESET) if preset else None
     from_preset = {k for p in PRESETS.values() for k in p} | {"d_ff", "n_kv_heads"}
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        name = f.name.removeprefix("_")  # MoDConfig stores what was given of d_ff as _d_ff
+        if name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + name.replace("_", "-")
         typ = field_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
-        what = described.get(f.name, "")
+        what = described.get(name, "")
         if base is not None:
-            default = getattr(base, f.name)
+            default = getattr(base, name)
         if isinstance(default, float):
             default = f"{default:g}"  # 2.66667, not 2.6666666666666665
         elif default == "":
             default = "empty"
         if base is not None:
-            if f.name in from_preset:
+            if name in from_preset:
                 default = f"from --preset; {DEFAULT_PRESET}: {default}"
-            if f.name == "aux_loss_weight":  # None resolves by the causal router
+            if name == "aux_loss_weight":  # None resolves by the causal router
                 default = "0.1 with the predictor, 0.01 with aux_loss or token-choice recursion"
-        if shown and f.name in shown:
-            default = shown[f.name]
+        if shown and name in shown:
+            default = shown[name]
         if typ is bool:
             parser.add_argument(
                 flag,
@@ -139,10 +140,10 @@ def add_dataclass_flags(
                 metavar="FLOATS",
                 help=f"{what or 'comma-separated'} (default: {default})",
             )
-        elif f.name in choices:
+        elif name in choices:
             parser.add_argument(
                 flag,
-                choices=choices[f.name],
+                choices=choices[name],
                 default=None,
                 help=f"{what} (default: {default})".lstrip(),
             )
@@ -158,5 +159,5 @@ def add_dataclass_flags(
 
 def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of `cls` among the parsed flags that the user gave (not None)."""
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name.removeprefix("_") for f in dataclasses.fields(cls)}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}

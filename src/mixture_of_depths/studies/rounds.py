@@ -9,7 +9,6 @@ folders, and what is measured of each trained model before its folder is deleted
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import shutil
@@ -179,7 +178,7 @@ def training_key(spec: RunSpec) -> str:
     for key in ("lr", "lr_warmup"):  # absent while unset: the keys of earlier runs hold
         if getattr(spec, key) is not None:
             what[key] = getattr(spec, key)
-    what["model"] = dataclasses.asdict(MoDConfig(**spec.model))
+    what["model"] = MoDConfig(**spec.model).resolved()  # every field's value, as built
     text = json.dumps(what, sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return f"train-{digest}"

@@ -11,7 +11,6 @@ collect them, then ask again for the next.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 import shutil
@@ -59,23 +58,23 @@ def flag_value(value: Any) -> str:
 
 
 def model_flags(cfg: MoDConfig) -> list[str]:
-    """Every field of `cfg` as a ``mod train`` flag over `PRESET`; a None that the preset sets
-    cannot be spelled as a flag and is refused."""
+    """Every field of `cfg` as a ``mod train`` flag over `PRESET`, at its resolved value (a
+    derived one too: the command builds this model whatever the preset would derive); a None
+    that the preset sets cannot be spelled as a flag and is refused."""
     base = MoDConfig.preset(PRESET)
     flags: list[str] = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in UNSET or f.name.startswith("_"):
+    for field, value in cfg.resolved().items():
+        if field in UNSET:
             continue
         if value is None:
-            preset = getattr(base, f.name)
+            preset = getattr(base, field)
             if preset is not None:
-                raise ValueError(f"{f.name}=None cannot be given to mod train over preset "
+                raise ValueError(f"{field}=None cannot be given to mod train over preset "
                                  f"{PRESET!r}, which sets it to {preset!r}")  # fmt: skip
             continue
-        name = "--" + f.name.replace("_", "-")
+        name = "--" + field.replace("_", "-")
         if isinstance(value, bool):
-            flags.append(name if value else "--no-" + f.name.replace("_", "-"))
+            flags.append(name if value else "--no-" + field.replace("_", "-"))
         else:
             flags += [name, flag_value(value)]
     return flags
