@@ -231,8 +231,10 @@ def bench_memory(args: argparse.Namespace, bar: tqdm) -> list:
 
 
 def bench_decode(args: argparse.Namespace) -> dict:
-    """`bench.decode` at batch 1 and 8, on the routed model at the smallest capacity."""
-    argv = ["--preset", args.preset, "--batch-sizes", "1,8", "--device", args.device]
+    """`bench.decode` at each of ``--decode-batch-sizes``, on the routed model at the smallest
+    capacity."""
+    sizes = ",".join(str(b) for b in args.decode_batch_sizes)
+    argv = ["--preset", args.preset, "--batch-sizes", sizes, "--device", args.device]
     argv += ["--layer-pattern", args.layer_pattern, "--capacity", str(min(args.capacities))]
     argv += ["--skipped-kv", args.skipped_kv]
     if args.preset == "tiny":  # a smoke run: short context

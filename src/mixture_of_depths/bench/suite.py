@@ -13,7 +13,9 @@ Sections (``--sections``, all by default):
   forward + backward, at each capacity and length.
 - ``memory``: a training step's peak memory and saved activations, MoD against dense, each
   measured in a fresh process (`bench.memory`).
-- ``decode``: decoding tokens/s and KV cache at batch 1 and 8 (`bench.decode`).
+- ``decode``: decoding tokens/s and KV cache at batch 1, 8, 16 and 64 (`bench.decode`;
+  ``--decode-batch-sizes``): 16 and 64 are the serving batch sizes the serving benchmark
+  (benchmarks/serve.py) reads the model's own ratio at.
 - ``compile``: eager against ``torch.compile(fullgraph=True)`` training steps of the dense twin
   and the MoD model at one length.
 - ``experts``: an expert layer against the dense MLP (forward + backward), and MoE / MoDE
@@ -95,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="none",
         help="KV strategy of the routed models (docs/semantics.md; default: %(default)s)",
     )
+    p.add_argument(
+        "--decode-batch-sizes",
+        default="1,8,16,64",
+        help="batch sizes of the decode section: 16 and 64 are `mod serve --max-rows` sizes, "
+        "so benchmarks/serve.py can set the server's MoD/dense ratio beside the model's own "
+        "(default: %(default)s)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds (default: %(default)s)")
     p.add_argument(
@@ -127,10 +136,14 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     try:
         args.capacities = _floats(str(args.capacities))
         args.seq_lens = _ints(str(args.seq_lens))
+        args.decode_batch_sizes = _ints(str(args.decode_batch_sizes))
     except ValueError as exc:
         raise ValueError(
-            f"--capacities / --seq-lens must be comma-separated numbers: {exc}"
+            "--capacities / --seq-lens / --decode-batch-sizes must be comma-separated numbers: "
+            f"{exc}"
         ) from None
+    if not args.decode_batch_sizes or min(args.decode_batch_sizes) < 1:
+        raise ValueError(f"--decode-batch-sizes {args.decode_batch_sizes} must be integers >= 1")
     if not args.capacities or any(not 0 < c <= 1 for c in args.capacities):
         raise ValueError(f"--capacities {args.capacities} must be in (0, 1]")
     if not args.seq_lens or min(args.seq_lens) < 2:
