@@ -1,78 +1,118 @@
 """Serving under load: MoD beside its dense twin, continuous batching beside a static batch,
-each behind a live `mod serve` HTTP server (docs/serving.md, "Measured").
+each a `mod serve` process driven by a load generator in processes of its own
+(docs/serving.md, "Measured").
 
-For each configuration (model x batching mode) an engine is built, served in-process on a free
-port (uvicorn in a thread), and driven by an open-loop load: requests arrive at seeded Poisson
-times at a given rate (``inf``: all at once, saturation) whatever the server's pace, each with
-a prompt length and an output length drawn uniformly from their ranges (the same draws for
-every configuration), streamed with ``ignore_eos`` so every request makes its full output.
-Per configuration and rate: throughput (generated tokens per second, first arrival to last
-completion), time to first token and time per output token (p50, p99), and the KV bytes in use
-read from /metrics while requests run (mean and peak). Then the ratios: MoD / dense and
-continuous / static at each rate, and at saturation (each configuration's best throughput).
+Every configuration (model x batching) is a server process (`mod serve CKPT --port 0` on
+127.0.0.1, ready when /health answers, stopped by SIGTERM, which must exit 0). The load is
+open-loop: requests arrive at seeded Poisson times at a given rate (``inf``: all at once,
+saturation) whatever the server's pace, each with a prompt length and an output length drawn
+from their ranges, streamed with ``ignore_eos``; the schedule depends only on the seed and the
+rate, so every configuration and repeat sees the same requests (each run's digest of what its
+load processes sent is in the JSON). The load runs in `--clients` processes (serve_load.py), so
+the client's per-token work shares no GIL with the engine.
+
+Each configuration x rate is measured `--repeats` times, the configurations interleaved round by
+round (the order rotates; every round starts fresh servers) so drift hits all alike. Reported:
+the median and the min-max spread of throughput, TTFT and TPOT (p50, p99) and the KV bytes in
+use (mean, and per token held); the ratios MoD / dense and continuous / static computed per
+repeat (the same round's runs), their medians and spreads; the model's own decode ratio at the
+server's batch size (`bench.decode` on the same checkpoint in each round, or read from a
+`mod bench` JSON) and the share of it the server keeps; the issue's targets beside the medians
+(printed, never asserted); the share of the CPUs other processes kept busy, per round and in all.
+`--profile FILE` then profiles each continuous server's engine steps under a saturated load
+(serve_profile.py) and writes the tables there.
 
     python benchmarks/serve.py MOD_CKPT DENSE_CKPT            # two trained checkpoints
-    python benchmarks/serve.py --quick                        # untrained `small` ones, < 60 s
+    python benchmarks/serve.py --preset base --max-rows 64     # untrained base models
+    python benchmarks/serve.py --quick                         # untrained small ones, short
 
-Nothing is trained here. With ``--quick`` the models are the `small` preset (MoD at capacity
-0.125 on "DR", its predictors calibrated so about that share takes each routed layer) and its
-dense twin, untrained, on short requests. The client runs in the same process as the server
-(its share of the CPU is part of what is measured). The last line printed is one JSON object.
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
+import os
 import random
+import signal
 import statistics
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import httpx
-import torch
+import serve_report as rep
+import serve_servers as srv
+from serve_load import request_key, run_load, schedule_digest, summarise
 
-from mixture_of_depths import MoDConfig, MoDTransformer
-from mixture_of_depths.bench.common import cpu_snapshot, fmt_bytes, others_busy
-from mixture_of_depths.data import ByteTokenizer, load_splits, load_tokenizer
-from mixture_of_depths.routing import calibrate_predictors
-from mixture_of_depths.runtime.checkpoint import load_model, read_json_file, resolve_checkpoint
-from mixture_of_depths.serve.engine import Engine
-from mixture_of_depths.serve.metrics import parse_prometheus
-from mixture_of_depths.serve.server import ServerThread
+from mixture_of_depths.bench.common import cpu_snapshot, others_busy
+from mixture_of_depths.runtime.checkpoint import load_config
 
-# The issue's targets (CPU, `small` preset): reported beside the measured ratios, never asserted.
-TARGETS = {"mod_over_dense_throughput": 1.4, "continuous_over_static_throughput": 1.5,
-           "mod_over_dense_kv_bytes": 0.6}  # fmt: skip
 CONFIGS = ("mod/continuous", "dense/continuous", "mod/static", "dense/static")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mod", nargs="?", help="the MoD checkpoint")
+    p.add_argument("mod", nargs="?", help="the MoD checkpoint (else --preset, untrained)")
     p.add_argument("dense", nargs="?", help="its dense twin's checkpoint")
+    p.add_argument(
+        "--preset",
+        default="small",
+        help="untrained models of this preset when no checkpoints are given (default: small)",
+    )
     p.add_argument("--quick", action="store_true", help="untrained small models, a short load")
-    p.add_argument("--rates", default=None, help="requests/s, comma-separated; inf: all at once "
-                   "(default: 1,2,4,8,inf; --quick: 4,inf)")  # fmt: skip
+    p.add_argument(
+        "--rates",
+        default=None,
+        help="requests/s, comma-separated; inf: all at once (default: 1,2,4,8,inf; --quick: 4,inf)",
+    )
     p.add_argument("--requests", type=int, default=None, help="per rate (default 64; quick 8)")
     p.add_argument("--prompt-lens", default=None, help="LO:HI tokens (default 16:192; quick 8:32)")
     p.add_argument("--output-lens", default=None, help="LO:HI tokens (default 16:64; quick 4:12)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
-    p.add_argument("--max-rows", type=int, default=16)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds; each configuration x rate once per round (default 3; 0: only --profile)",
+    )
+    p.add_argument("--clients", type=int, default=2, help="load processes (default 2)")
+    p.add_argument("--max-rows", type=int, default=16, help="mod serve --max-rows (default 16)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--kv-pages", type=int, default=None)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per server (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request at most")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="text the prompts are cut from (default: the "
-                   "MoD checkpoint run's validation split; --quick: random ids)")  # fmt: skip
-    p.add_argument("--plot", default=None, metavar="PNG", help="write the throughput and "
-                   "latency against the request rate there")  # fmt: skip
+    p.add_argument(
+        "--data",
+        default=None,
+        help="text the prompts are cut from (default: the "
+        "MoD checkpoint run's validation split; untrained models: random ids)",
+    )
+    p.add_argument(
+        "--model-ratio",
+        default="measure",
+        metavar="measure|none|JSON",
+        help="the model's own decode ratio: measured each round (bench.decode on the "
+        "MoD checkpoint at the server's batch size and mean context), none, or read "
+        "from a `mod bench` (or benchmarks/decode.py) JSON",
+    )
+    p.add_argument("--decode-repeats", type=int, default=3, help="bench.decode's repeats")
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="serve-profile.txt",
+        default=None,
+        metavar="FILE",
+        help="profile each continuous server's engine steps under a "
+        "saturated load; the tables go to FILE (default serve-profile.txt)",
+    )
+    p.add_argument("--plot", default=None, metavar="PNG", help="medians against the rate")
     return p
 
 
@@ -89,8 +129,10 @@ def _range(text: str, name: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     q = args.quick
-    if not q and (args.mod is None or args.dense is None):
-        raise SystemExit("give two checkpoints (MoD and its dense twin), or --quick")
+    if (args.mod is None) != (args.dense is None):
+        raise SystemExit("give two checkpoints (MoD and its dense twin), or none (--preset)")
+    if q and args.mod is not None:
+        raise SystemExit("--quick builds untrained models: give no checkpoints with it")
     args.rates = args.rates or ("4,inf" if q else "1,2,4,8,inf")
     try:
         args.rates = [float(r) for r in args.rates.split(",")]
@@ -105,290 +147,305 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad or not args.configs:
         raise SystemExit(f"--configs: {bad or 'none'}; choose from {', '.join(CONFIGS)}")
+    if args.repeats < 0 or (args.repeats == 0 and not args.profile):
+        raise SystemExit("--repeats must be >= 1 (0 only with --profile)")
+    if args.clients < 1 or args.threads < 1 or args.decode_repeats < 1:
+        raise SystemExit("--clients, --threads and --decode-repeats must be >= 1")
+    if q:
+        args.preset = "small"
     return args
 
 
-# -- the models -----------------------------------------------------------------------------------
-def quick_models(seed: int, device: str) -> dict[str, tuple[MoDTransformer, Any]]:
-    """The `small` preset untrained, its predictors calibrated to the capacity, and its dense
-    twin with the same shared weights' shapes (speed does not depend on the weights)."""
-    cfg = MoDConfig.preset("small")
-    torch.manual_seed(seed)
-    mod = MoDTransformer(cfg).eval()
-    calib = torch.randint(0, cfg.vocab_size, (8, 64), generator=torch.Generator().manual_seed(seed))
-    calibrate_predictors(mod, calib, cfg.capacity)
-    torch.manual_seed(seed)
-    dense = MoDTransformer(cfg.dense_twin()).eval()
-    tok = ByteTokenizer()
-    return {"mod": (mod.to(device), tok), "dense": (dense.to(device), tok)}
+def rate_key(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def checkpoint_models(mod_dir: str, dense_dir: str, device: str) -> dict[str, tuple[Any, Any]]:
-    out = {}
-    for name, d in (("mod", mod_dir), ("dense", dense_dir)):
-        model, _ = load_model(d, map_location=device)
-        out[name] = (model.eval(), load_tokenizer(d))
-    if out["dense"][0].config.routed_layers:
-        raise SystemExit(f"{dense_dir} has routed layers: the second checkpoint must be dense")
-    return out
-
-
-# -- the load -------------------------------------------------------------------------------------
-@dataclass
-class Arrival:
-    at: float  # seconds after the start
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Record:
-    status: int
-    tokens: int = 0
-    ttft: float | None = None
-    tpot: float | None = None
-    done_at: float | None = None
-
-
-def held_out_text(mod_dir: str, data: str | None) -> list[int]:
-    """The validation tokens of the MoD checkpoint's run (or of `data`): prompts cut from them
-    route as the model's text does; random ids would not (a router's take-rate on them can be
-    far from its capacity)."""
-    ckpt = resolve_checkpoint(mod_dir)
-    if data is None and (ckpt / "trainer.json").exists():
-        data = read_json_file(ckpt / "trainer.json").get("train_config", {}).get("data")
-    return load_splits(data, load_tokenizer(ckpt))[1].tolist()
-
-
-def workload(args: argparse.Namespace, rate: float, vocab: int) -> list[Arrival]:
-    """Seeded: the same arrivals, prompts and lengths for every configuration at this rate;
-    prompts cut from `args.text` (held-out tokens) where given, else random ids."""
-    rng = random.Random(f"{args.seed}:{rate}")
+def workload(args: argparse.Namespace, rate: float, vocab: int, text: list[int] | None) -> list:
+    """Seeded by (seed, rate) alone: the same arrivals, prompts and lengths for every
+    configuration and repeat; prompts cut from held-out `text` where given, else random ids."""
+    rng = random.Random(f"{args.seed}:{rate_key(rate)}")
     t, out = 0.0, []
-    text = args.text
-    for _ in range(args.requests):
+    for i in range(args.requests):
         n = rng.randint(*args.prompt_lens)
         if text and len(text) > n:
             start = rng.randrange(len(text) - n)
             prompt = text[start : start + n]
         else:
             prompt = [rng.randrange(min(vocab, 256)) for _ in range(n)]
-        out.append(Arrival(t, prompt, rng.randint(*args.output_lens)))
+        out.append(
+            {"i": i, "at": t, "prompt": prompt, "max_tokens": rng.randint(*args.output_lens)}
+        )
         if math.isfinite(rate):
             t += rng.expovariate(rate)
     return out
 
 
-async def one_request(http: httpx.AsyncClient, a: Arrival, t0: float, timeout: float) -> Record:
-    await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
-    body = {"prompt": a.prompt, "max_tokens": a.max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    sent = time.perf_counter()
-    times: list[float] = []
-    async with http.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return Record(r.status_code)
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                times += [time.perf_counter()] * len(choice.get("token_ids", []))
-    rec = Record(200, len(times), done_at=time.perf_counter() - t0)
-    if times:
-        rec.ttft = times[0] - sent
-        rec.tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-    return rec
-
-
-async def poll_kv(http: httpx.AsyncClient, stop: asyncio.Event, out: list[float]) -> None:
-    """KV bytes in use, sampled from /metrics while some request runs."""
-    while not stop.is_set():
-        m = parse_prometheus((await http.get("/metrics")).text)
-        if m.get("mod_requests_running", 0) > 0:
-            out.append(float(m.get("mod_kv_bytes_in_use", 0.0)))
-        await asyncio.sleep(0.1)
-
-
-async def run_load(url: str, arrivals: list[Arrival], timeout: float) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=len(arrivals) + 4, max_keepalive_connections=8)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
-        stop, kv = asyncio.Event(), []
-        poller = asyncio.create_task(poll_kv(http, stop, kv))
-        t0 = time.perf_counter()
-        records = await asyncio.gather(*(one_request(http, a, t0, timeout) for a in arrivals))
-        stop.set()
-        await poller
-    return summarise(records, kv)
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
-
-def summarise(records: list[Record], kv: list[float]) -> dict[str, Any]:
-    ok = [r for r in records if r.status == 200]
-    wall = max((r.done_at for r in ok if r.done_at is not None), default=0.0)
-    tokens = sum(r.tokens for r in ok)
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    tpot = [r.tpot for r in ok if r.tpot is not None]
+def describe(arrivals: list[dict]) -> dict[str, Any]:
+    """A schedule in the JSON: its digest (as its load processes report theirs), its lengths and
+    arrival times, and the token rate it offers (its tokens over its arrival span)."""
+    span = max(a["at"] for a in arrivals)
+    tokens = sum(a["max_tokens"] for a in arrivals)
     return {
-        "completed": len(ok),
-        "rejected": len(records) - len(ok),
+        "digest": schedule_digest([request_key(a) for a in arrivals]),
+        "requests": len(arrivals),
         "tokens": tokens,
-        "seconds": wall,
-        "throughput_tok_s": tokens / wall if wall > 0 else None,
-        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-        "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
-        "kv_bytes_mean": statistics.fmean(kv) if kv else None,
-        "kv_bytes_peak": max(kv) if kv else None,
-    }  # fmt: skip
+        "span_s": span,
+        "offered_tok_s": tokens / span if span > 0 else math.inf,
+        "prompt_lens": [len(a["prompt"]) for a in arrivals],
+        "output_lens": [a["max_tokens"] for a in arrivals],
+        "arrivals_s": [round(a["at"], 6) for a in arrivals],
+    }
 
 
-def run_config(
-    name: str, model: Any, tok: Any, args: argparse.Namespace
-) -> tuple[dict[str, Any], dict[str, float]]:
-    kind, batching = name.split("/")
-    engine = Engine(model, tok, model_name=kind, max_rows=args.max_rows, page_size=args.page_size,
-                    max_queue=100_000, prefill_chunk=args.prefill_chunk, batching=batching,
-                    device=args.device)  # fmt: skip
-    engine.start()
-    rows = {}
+def load(
+    server: srv.Server, arrivals: list[dict], args: argparse.Namespace, clients: int = 0
+) -> dict[str, Any]:
+    """One load against `server` from `clients` (default `--clients`) load processes."""
+    return run_load(
+        server.url,
+        arrivals,
+        clients or args.clients,
+        args.timeout,
+        args.page_size,
+        args.full_layers[server.name.split("/")[0]],
+    )
+
+
+def warm(server: srv.Server, schedule: list[dict], args: argparse.Namespace) -> None:
+    """A few requests at once before measuring (first-call costs, the allocator)."""
+    n = min(args.max_rows, len(schedule), 8)
+    arrivals = [{**a, "at": 0.0} for a in schedule[:n]]
+    load(server, arrivals, args, clients=1)
+
+
+def _progress(rnd: int, args: argparse.Namespace, name: str, rate: str, r: dict) -> None:
+    f = lambda x, s=1.0, d=1: "-" if x is None else f"{x * s:.{d}f}"  # noqa: E731
+    print(
+        f"  round {rnd + 1}/{args.repeats} {name:17} rate {rate:>5}: "
+        f"{f(r['throughput_tok_s'])} tok/s, TTFT {f(r['ttft_p50_s'], 1e3, 0)} / "
+        f"{f(r['ttft_p99_s'], 1e3, 0)} ms, TPOT {f(r['tpot_p50_s'], 1e3)} / "
+        f"{f(r['tpot_p99_s'], 1e3)} ms, KV/token {f(r['kv_bytes_per_token'], 1 / 1024, 2)} "
+        f"KiB, {r['completed']} done, client late <= {f(r['client_late_max_s'], 1e3, 0)} ms",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_round(
+    rnd: int, args: argparse.Namespace, ckpts: dict, schedules: dict, work: Path, runs: dict
+) -> dict[str, Any]:
+    """One round: a fresh server per configuration (started together, measured one at a time,
+    in an order that rotates every round), every rate; then SIGTERM and their exit statuses."""
+    order = args.configs[rnd % len(args.configs) :] + args.configs[: rnd % len(args.configs)]
+    servers = [srv.start(name, ckpts[name.split("/")[0]], args, work) for name in order]
+    t0 = time.monotonic()
     try:
-        with ServerThread(engine) as server:
+        for s in servers:
+            srv.wait_ready(s)
+        print(f"  round {rnd + 1}: servers ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        for s in servers:
+            warm(s, schedules["inf"], args)
             for rate in args.rates:
-                arrivals = workload(args, rate, model.config.vocab_size)
-                rows[_rate_key(rate)] = asyncio.run(run_load(server.url, arrivals, args.timeout))
-                print(f"  {name:17} rate {_rate_key(rate):>5}: {_row_text(rows[_rate_key(rate)])}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-        take = engine.metrics()["take_rate"]  # share of decoded tokens per router, all rates
-        shares = ", ".join(f"{k} {v:.1%}" for k, v in take.items()) or "-"
-        print(f"  {name:17} take-rates while decoding: {shares}", file=sys.stderr)
+                key = rate_key(rate)
+                row = {
+                    **summarise(load(s, schedules[key], args)),
+                    "round": rnd,
+                    "server_pid": s.proc.pid,
+                    "bench_pid": os.getpid(),
+                }
+                runs[s.name][key].append(row)
+                _progress(rnd, args, s.name, key, row)
+            srv.read_take_rate(s)
     finally:
-        engine.drain(10.0)
-    return rows, take
+        for s in servers:
+            srv.stop(s)
+        srv.kill_all(servers)
+    for s in servers:
+        for rows in runs[s.name].values():
+            if rows and rows[-1]["round"] == rnd:
+                rows[-1].update(server_exit=s.exit_code, take_rate=s.take_rate)
+    return {
+        "round": rnd,
+        "order": order,
+        "server_exits": {s.name: s.exit_code for s in servers},
+        "take_rate": {s.name: s.take_rate for s in servers},
+    }
 
 
-def _rate_key(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
+def measure(args: argparse.Namespace, ckpts: dict, schedules: dict, work: Path) -> tuple:
+    """Every round: the model's own decode ratio (when measured), then the servers. The runs
+    per configuration and rate, the model's ratios per round, and each round's record."""
+    runs: dict[str, dict[str, list]] = {
+        c: {rate_key(r): [] for r in args.rates} for c in args.configs
+    }
+    both = {"mod/continuous", "dense/continuous"} <= set(args.configs)
+    model: list[dict] | dict | None = None
+    if args.model_ratio not in ("measure", "none") and both:
+        model = srv.read_model_ratio(args.model_ratio)
+    elif args.model_ratio == "measure" and both:
+        model = []
+    prompt = round(statistics.fmean(args.prompt_lens))
+    new = round(statistics.fmean(args.output_lens))
+    rounds = []
+    for rnd in range(args.repeats):
+        snap, t0 = cpu_snapshot(), time.monotonic()
+        if isinstance(model, list):
+            batches = sorted({1, args.max_rows})
+            model.append(srv.measure_model_ratio(ckpts["mod"], batches, prompt, new, args))
+            model[-1]["seconds"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        record = run_round(rnd, args, ckpts, schedules, work, runs)
+        record.update(seconds=time.monotonic() - t1, others_busy=others_busy(snap, cpu_snapshot()))
+        rounds.append(record)
+        print(f"  round {rnd + 1}/{args.repeats}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return runs, model, rounds
 
 
-def _f(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "-" if x is None else f"{x * scale:.{digits}f}"
-
-
-def _row_text(r: dict[str, Any]) -> str:
-    return (f"{_f(r['throughput_tok_s']):>8} tok/s  TTFT {_f(r['ttft_p50_s'], 1e3):>7} / "
-            f"{_f(r['ttft_p99_s'], 1e3):>7} ms  TPOT {_f(r['tpot_p50_s'], 1e3):>6} / "
-            f"{_f(r['tpot_p99_s'], 1e3):>6} ms  KV {fmt_bytes(r['kv_bytes_mean']):>9} "
-            f"(peak {fmt_bytes(r['kv_bytes_peak'])})  {r['completed']} done, "
-            f"{r['rejected']} refused")  # fmt: skip
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def ratios(results: dict[str, dict[str, dict]]) -> dict[str, Any]:
-    """MoD / dense and continuous / static, at each rate and at saturation (best throughput)."""
-    pairs = {"mod_over_dense": ("mod/continuous", "dense/continuous"),
-             "continuous_over_static": ("mod/continuous", "mod/static"),
-             "dense_continuous_over_static": ("dense/continuous", "dense/static")}  # fmt: skip
-    out: dict[str, Any] = {}
-    for label, (a, b) in pairs.items():
-        if a not in results or b not in results:
-            continue
-        ra, rb = results[a], results[b]
-        per_rate = {
-            k: {"throughput": _ratio(ra[k]["throughput_tok_s"], rb[k]["throughput_tok_s"]),
-                "kv_bytes": _ratio(ra[k]["kv_bytes_mean"], rb[k]["kv_bytes_mean"])}
-            for k in ra if k in rb
-        }  # fmt: skip
-        best = {c: max((r["throughput_tok_s"] or 0.0) for r in results[c].values()) for c in (a, b)}
-        out[label] = {"per_rate": per_rate, "saturated_throughput": _ratio(best[a], best[b])}
+def profile(args: argparse.Namespace, ckpts: dict, schedules: dict, work: Path) -> dict:
+    """Each continuous configuration's server under serve_profile.py: warmed up, then SIGUSR1
+    around one saturated load (the profile's window), SIGTERM, and its record."""
+    out = {}
+    for name in [c for c in args.configs if c.endswith("/continuous")]:
+        path = work / f"{name.split('/')[0]}-profile.json"
+        s = srv.start(name, ckpts[name.split("/")[0]], args, work, profile_json=path)
+        try:
+            srv.wait_ready(s)
+            warm(s, schedules["inf"], args)
+            s.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.3)  # the handler runs between the server's bytecodes: let it
+            done = load(s, schedules["inf"], args)
+            s.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.3)
+        finally:
+            srv.stop(s)
+            srv.kill_all([s])
+        if s.exit_code != 0 or not path.exists():
+            raise RuntimeError(f"the profiled {name} server exited {s.exit_code}")
+        out[name] = {
+            **json.loads(path.read_text()),
+            "load": summarise(done),
+            "server_exit": s.exit_code,
+        }
     return out
 
 
-def print_report(args: argparse.Namespace, results: dict, rat: dict, busy: float | None) -> None:
-    src = ("untrained small preset (--quick), random prompts" if args.quick
-           else f"{args.mod} and {args.dense}, prompts cut from held-out text")  # fmt: skip
+def prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, str], str | None, list | None]:
+    """The checkpoints served (given, or the preset's untrained ones saved), the preset they
+    are (for the targets), and the held-out text prompts are cut from (None: random ids)."""
+    if args.mod is None:
+        ckpts = srv.untrained_checkpoints(args.preset, args.seed, work)
+        return ckpts, args.preset, None
+    if load_config(args.dense).routed_layers:
+        raise SystemExit(f"{args.dense} has routed layers: the second checkpoint must be dense")
+    ckpts = {"mod": args.mod, "dense": args.dense}
+    return ckpts, srv.preset_of(args.mod), srv.held_out_text(args.mod, args.data)
+
+
+def print_head(args: argparse.Namespace, ckpts: dict, preset: str | None) -> None:
+    src = (
+        f"untrained {args.preset} preset, random prompts"
+        if args.mod is None
+        else f"{args.mod} and {args.dense}, prompts cut from held-out text"
+    )
     (p_lo, p_hi), (o_lo, o_hi) = args.prompt_lens, args.output_lens
     print(
         f"serving under load: {src}; {args.requests} requests per rate, prompts {p_lo}-{p_hi}, "
-        f"outputs {o_lo}-{o_hi} tokens, max_rows {args.max_rows}, device {args.device}"
+        f"outputs {o_lo}-{o_hi} tokens, max_rows {args.max_rows}, page {args.page_size}, "
+        f"device {args.device}, {args.threads} torch thread(s) per server, {args.clients} load "
+        f"processes, {args.repeats} repeats (preset for the targets: {preset or 'unknown'})"
     )
-    print(f"{'configuration':17} {'rate':>5}  throughput, TTFT p50 / p99, TPOT p50 / p99, KV")
-    for name, rows in results.items():
-        for rate, r in rows.items():
-            print(f"{name:17} {rate:>5}  {_row_text(r)}")
-    print("\nratios (per rate: throughput, KV bytes; then saturated throughput), target:")
-    for label, r in rat.items():
-        cells = ", ".join(f"{k}: {_f(v['throughput'], digits=2)}x / {_f(v['kv_bytes'], digits=2)}x"
-                          for k, v in r["per_rate"].items())  # fmt: skip
-        target = TARGETS.get(f"{label}_throughput")
-        want = f" (target >= {target}x)" if target else ""
-        print(f"  {label}: {cells}; saturated {_f(r['saturated_throughput'], digits=2)}x{want}")
-    print(f"  KV bytes target: MoD <= {TARGETS['mod_over_dense_kv_bytes']}x dense's under load")
-    if busy is not None:
-        print(f"other processes kept {busy:.0%} of the CPUs busy during the run")
-
-
-def plot(results: dict[str, dict[str, dict]], path: str) -> None:
-    """Throughput, TTFT p50 and TPOT p50 against the request rate, one line per configuration
-    (saturation, ``inf``, drawn at the right end)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = (("throughput_tok_s", 1.0, "throughput (tokens/s)"),
-              ("ttft_p50_s", 1e3, "time to first token, p50 (ms)"),
-              ("tpot_p50_s", 1e3, "time per output token, p50 (ms)"))  # fmt: skip
-    for name, rows in results.items():
-        keys = list(rows)
-        xs = list(range(len(keys)))
-        for ax, (key, scale, label) in zip(axes, panels, strict=True):
-            ys = [None if rows[k][key] is None else rows[k][key] * scale for k in keys]
-            ax.plot(xs, ys, marker="o", label=name, linestyle="-" if "mod" in name else "--")
-            ax.set_xticks(xs, [k if k != "inf" else "all at once" for k in keys])
-            ax.set_xlabel("request rate (req/s)")
-            ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("mod serve under an open-loop load (benchmarks/serve.py)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    models = (quick_models(args.seed, args.device) if args.quick
-              else checkpoint_models(args.mod, args.dense, args.device))  # fmt: skip
-    args.text = None if args.quick else held_out_text(args.mod, args.data)
     before = cpu_snapshot()
-    results, takes = {}, {}
-    for name in args.configs:
-        model, tok = models[name.split("/")[0]]
-        results[name], takes[name] = run_config(name, model, tok, args)
+    with tempfile.TemporaryDirectory(prefix="mod-serve-bench-") as tmp:
+        work = Path(tmp)
+        ckpts, preset, text = prepare(args, work)
+        cfg = load_config(ckpts["mod"])
+        vocab = cfg.vocab_size
+        args.full_layers = {  # the layers that cache every token: a consistent read has
+            "mod": [i for i in range(cfg.n_layers) if i not in cfg.routed_layers],  # equal pages
+            "dense": list(range(load_config(ckpts["dense"]).n_layers)),
+        }
+        rates = sorted(set(args.rates) | {math.inf})  # inf: warm-up and profile
+        schedules = {rate_key(r): workload(args, r, vocab, text) for r in rates}
+        print_head(args, ckpts, preset)
+        runs, model, rounds = measure(args, ckpts, schedules, work)
+        profiles = profile(args, ckpts, schedules, work) if args.profile else None
     busy = others_busy(before, cpu_snapshot())
-    rat = ratios(results)
-    print_report(args, results, rat, busy)
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
-    settings = {k: v for k, v in vars(args).items() if k not in ("mod", "dense", "text")}
-    settings["rates"] = [_rate_key(r) for r in args.rates]
-    out = {"settings": settings, "checkpoints": [args.mod, args.dense], "results": results,
-           "ratios": rat, "take_rate": takes, "targets": TARGETS,
-           "others_busy_share": busy}  # fmt: skip
+    out = report(args, runs, model, rounds, schedules, preset, busy)
+    if profiles:
+        head = (
+            f"{args.requests} requests at once, max_rows {args.max_rows}, prompts "
+            f"{args.prompt_lens}, outputs {args.output_lens}, {args.threads} torch thread(s)"
+        )
+        Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.profile).write_text(rep.profile_text(profiles, head, top=40))
+        print("\n" + rep.profile_text(profiles, head, top=10), end="")
+        print(f"(the whole profile: {args.profile})")
+        out.update(profile=profiles, profile_file=args.profile)
     print(json.dumps(out))
+    exits = [r["server_exits"] for r in rounds] + [
+        {n: p["server_exit"]} for n, p in (profiles or {}).items()
+    ]
+    if any(code != 0 for e in exits for code in e.values()):
+        print("a server did not exit 0 after SIGTERM (its log is above)", file=sys.stderr)
+        sys.exit(1)
     return out
+
+
+def report(
+    args: argparse.Namespace,
+    runs: dict,
+    model: Any,
+    rounds: list,
+    schedules: dict,
+    preset: str | None,
+    busy: float | None,
+) -> dict[str, Any]:
+    """Print the tables, the targets and what else ran; the JSON object."""
+    keys = [rate_key(r) for r in args.rates]
+    sched = {k: describe(schedules[k]) for k in keys}
+    if not args.repeats:
+        return {"settings": _settings(args), "schedule": sched, "others_busy_share": busy}
+    results = rep.aggregate(runs)
+    rat = rep.ratios(runs)
+    keep = rep.keeps(runs, model, args.max_rows)
+    offered = {k: s["offered_tok_s"] for k, s in sched.items()}
+    targets = rep.targets(results, rat, keep, offered, preset, args.max_rows)
+    rep.print_tables(results, rat, keys, args.repeats)
+    rep.print_targets(targets, keep)
+    per_round = ", ".join(
+        "-" if r["others_busy"] is None else f"{r['others_busy']:.0%}" for r in rounds
+    )
+    total = "-" if busy is None else f"{busy:.0%}"
+    print(f"\nother processes kept {total} of the CPUs busy during the run (by round: {per_round})")
+    if args.plot:
+        rep.plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    return {
+        "settings": _settings(args),
+        "preset": preset,
+        "checkpoints": [args.mod, args.dense],
+        "schedule": sched,
+        "runs": runs,
+        "results": results,
+        "ratios": rat,
+        "model_decode": model,
+        "keeps": keep,
+        "targets": targets,
+        "rounds": rounds,
+        "others_busy_share": busy,
+        "spread": "min-max over the repeats",
+        "bench_pid": os.getpid(),
+    }
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    settings = {k: v for k, v in vars(args).items() if k not in ("mod", "dense", "full_layers")}
+    settings["rates"] = [rate_key(r) for r in args.rates]
+    return settings
 
 
 if __name__ == "__main__":
