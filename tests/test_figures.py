@@ -89,7 +89,7 @@ def test_a_figure_in_a_table_row_escapes_its_pipes():
     """GitHub splits a table row at every bare ``|``, inside an HTML comment too: a figure in a
     table writes ``\\|FORMAT`` (tests/figures.py reads both) and no bare pipe in a regex."""
     bare = []
-    for page in figures.pages()[1:]:  # docs/ only: the README's table still has bare pipes
+    for page in figures.pages():
         for line in page.read_text().splitlines():
             if line.lstrip().startswith("|"):
                 bare += [f"{page.name}: {loc}" for _, loc, _ in figures.FIGURE.findall(line)
