@@ -32,6 +32,7 @@ from mixture_of_depths.generate import (
     prefill,
     prefill_calibration,
 )
+from mixture_of_depths.layers import rope_tables
 
 TOL64 = dict(rtol=0.0, atol=1e-10)
 RESIDUAL = dict(skipped_kv="residual")
@@ -184,7 +185,7 @@ def test_the_cache_holds_every_token_keyed_from_the_layer_input(prefill_mode):
         T = seq.shape[1]
         for layer in cfg.routed_layers:
             blk = model.blocks[layer]
-            cos, sin = cache.rope()
+            cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta, dtype=torch.float64)
             k, v = blk.attn.kv(blk.attn_norm(inputs[layer]), cos[:T], sin[:T])
             torch.testing.assert_close(cache.k[layer][b : b + 1, :, :T], k, **TOL64)
             torch.testing.assert_close(cache.v[layer][b : b + 1, :, :T], v, **TOL64)

@@ -57,13 +57,14 @@ class Pass:
         """The pass over `idx`: the rotary tables of the new tokens' positions, and the cache's
         mode (none, a prefill or a decode step), with the checks each mode needs."""
         B, T = idx.shape
+        # The model's rotary tables, indexed by each new token's position (layers.rope_tables).
+        cos_S, sin_S = rope_tables(
+            cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, idx.device, at_least_float32(dtype)
+        )
         if cache is None:
             if lengths is not None:
                 raise ValueError("lengths (right-padded prompts) are for a prefill: pass a cache")
-            cos, sin = rope_tables(
-                cfg.head_dim, T, cfg.rope_theta, idx.device, at_least_float32(dtype)
-            )
-            return cls(routing, cos, sin)
+            return cls(routing, cos_S[:T], sin_S[:T])
         if cache.dtype != dtype:
             raise ValueError(
                 f"the KV cache holds {cache.dtype} but the model computes in {dtype}: build the "
@@ -78,7 +79,6 @@ class Pass:
                 f"the KV cache holds max_len={cache.max_len} positions; row at {start} cannot take "
                 f"{T} more"
             )
-        cos_S, sin_S = cache.rope()
         if start > 0:  # the prompt is in: a decode step
             if T != 1 or routing != "causal" or lengths is not None:
                 raise ValueError(

@@ -39,15 +39,15 @@ import torch
 from torch import Tensor
 
 from .config import MoDConfig
-from .layers import KVHook, rope_tables
-from .precision import at_least_float32
+from .layers import KVHook
 
 _MIN_SLOTS = 16
 
 
 class Cache(Protocol):
-    """What `MoDTransformer.forward` needs from a KV cache: positions, rotary tables, and per
-    attention call either a prefill's write or a decode step's append-and-read."""
+    """What `MoDTransformer.forward` needs from a KV cache: positions, and per attention call
+    either a prefill's write or a decode step's append-and-read (the model owns the rotary
+    tables: a cache gives positions, not tables)."""
 
     max_len: int
     device: torch.device
@@ -55,10 +55,6 @@ class Cache(Protocol):
 
     def positions(self) -> Tensor:
         """(batch,) host: the tokens each row has processed, i.e. the position of its next one."""
-        ...
-
-    def rope(self) -> tuple[Tensor, Tensor]:
-        """Rotary tables (max_len, head_dim) in the cache's compute dtype."""
         ...
 
     def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
@@ -141,16 +137,10 @@ class KVCache:
         self._lengths = torch.zeros(config.n_kv_layers, batch_size, dtype=torch.long)
         self._positions = torch.zeros(batch_size, dtype=torch.long)
         self._all_rows = torch.arange(batch_size)
-        self.cos, self.sin = rope_tables(
-            config.head_dim, max_len, config.rope_theta, self.device, at_least_float32(dtype)
-        )
 
     # -- the protocol ---------------------------------------------------------------------------
     def positions(self) -> Tensor:
         return self._positions.clone()
-
-    def rope(self) -> tuple[Tensor, Tensor]:
-        return self.cos, self.sin
 
     def subset(self, rows: Tensor) -> CacheRows:
         return CacheRows(self, rows)
@@ -289,9 +279,6 @@ class CacheRows:
 
     def positions(self) -> Tensor:
         return self.cache._positions[self.rows]
-
-    def rope(self) -> tuple[Tensor, Tensor]:
-        return self.cache.rope()
 
     def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
         raise ValueError("a prefill fills every row of the cache: run the whole batch")

@@ -10,6 +10,7 @@ Names with shape suffixes: B batch, H heads, K tokens of this call, d head dim, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,17 +56,33 @@ def rope_tables(
 ) -> tuple[Tensor, Tensor]:
     """Rotary tables (seq_len, head_dim): ``cat(cos, cos)`` and ``cat(-sin, sin)`` of the angles.
 
-    Computed in float64 and rounded once to `dtype`. Built per forward (or once per KV cache)
-    rather than kept as buffers, so `model.to(torch.bfloat16)` cannot round the angles of far
-    positions and a float64 model gets float64 rotations. The signed, doubled layout makes
-    `apply_rope` four ops.
+    Computed in float64 and rounded once to `dtype`, then kept (per head_dim, length, theta,
+    device and dtype: the one owner of the tables, read-only) rather than held as buffers, so
+    `model.to(torch.bfloat16)` cannot round the angles of far positions and a float64 model gets
+    float64 rotations. Every path indexes them by its tokens' positions (`blocks.Pass`). The
+    signed, doubled layout makes `apply_rope` four ops.
     """
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
-    )
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+    device = torch.device(device or "cpu")
+    if torch.compiler.is_compiling():  # traced into the graph, as any op (no cache lookup)
+        return _rope_tables(head_dim, seq_len, theta, device, dtype)
+    return _rope_cached(head_dim, seq_len, theta, device, dtype)
+
+
+def _rope_tables(
+    head_dim: int, seq_len: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    # Plain tensors even under inference_mode: a later training forward may save them.
+    with torch.inference_mode(False), torch.no_grad():
+        inv_freq = 1.0 / theta ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+        )
+        pos = torch.arange(seq_len, dtype=torch.float64, device=device)
+        angles = torch.outer(pos, inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+
+
+_rope_cached = functools.lru_cache(maxsize=32)(_rope_tables)
 
 
 def apply_rope(x_BHKd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -83,11 +83,6 @@ class StaticKVCache(nn.Module):
         self.register_buffer("overflow", torch.zeros(config.n_layers, dtype=torch.bool,
                                                      device=self.device))  # fmt: skip
         self.register_buffer("rows", torch.arange(batch_size, **long))
-        cos, sin = rope_tables(
-            config.head_dim, max_len, config.rope_theta, self.device, at_least_float32(dtype)
-        )
-        self.register_buffer("cos", cos)
-        self.register_buffer("sin", sin)
 
     def load(self, kv: KVCache) -> None:
         """Take over a prefilled `KVCache` (same batch, model and dtype)."""
@@ -174,11 +169,21 @@ class StaticDecoder(nn.Module):
     def __init__(self, model: MoDTransformer, cache: StaticKVCache) -> None:
         super().__init__()
         self.model, self.cache = model, cache
+        cfg = model.config  # the model's rotary tables, held for a captured step to index
+        cos, sin = rope_tables(
+            cfg.head_dim,
+            cfg.max_seq_len,
+            cfg.rope_theta,
+            cache.device,
+            at_least_float32(cache.dtype),
+        )
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, tokens_N: Tensor) -> Tensor:
         model, cache = self.model, self.cache
         x = model.embed(tokens_N[:, None])
-        cos, sin = cache.cos[cache.pos][:, None, None], cache.sin[cache.pos][:, None, None]
+        cos, sin = self.cos[cache.pos][:, None, None], self.sin[cache.pos][:, None, None]
         p = Pass("causal", cos, sin, cache, decode=True)
         for block in model.blocks:
             x, _ = block(x, p)

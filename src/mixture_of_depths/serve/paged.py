@@ -40,9 +40,7 @@ from torch import Tensor
 
 from ..config import MoDConfig
 from ..generate import routing_table
-from ..layers import rope_tables
 from ..model import MoDTransformer
-from ..precision import at_least_float32
 
 
 class PagePool:
@@ -143,9 +141,6 @@ class PagedKVCache:
         ]
         self.tables: dict[int, list[list[int]]] = {}  # row -> per layer, its pages in order
         self.lengths: dict[int, list[int]] = {}  # row -> per layer, the tokens it holds
-        self.cos, self.sin = rope_tables(
-            config.head_dim, self.max_len, config.rope_theta, self.device, at_least_float32(dtype)
-        )
 
     # -- rows -----------------------------------------------------------------------------------
     def add_row(self, row: int) -> None:
@@ -292,9 +287,6 @@ class PagedView:
     def positions(self) -> Tensor:
         return self._step.positions[self.entries].clone()
 
-    def rope(self) -> tuple[Tensor, Tensor]:
-        return self._step.cache.cos, self._step.cache.sin
-
     def subset(self, rows: Tensor) -> PagedView:
         picked = torch.as_tensor(rows).cpu().tolist()
         return PagedView(self._step, torch.tensor([self.entries[i] for i in picked]))
@@ -380,9 +372,6 @@ class PagedPrefill:
 
     def positions(self) -> Tensor:
         return torch.zeros(len(self.rows), dtype=torch.long)
-
-    def rope(self) -> tuple[Tensor, Tensor]:
-        return self.cache.cos, self.cache.sin
 
     def advance(self, counts: Tensor | int) -> None:
         """Nothing: the engine moves each row's position after the step."""
