@@ -119,6 +119,19 @@ class MoDTransformer(nn.Module):
             )
         return token_tensor(idx, self.config.vocab_size, "idx")
 
+    def run_blocks(self, x_BTD: Tensor, p: Pass) -> tuple[Tensor, list[Route], Tensor | None]:
+        """Every layer on the stream: the blocks in order, or the recursion over them
+        (docs/mor.md). The one layer loop of every path (`forward`, and the static decode step,
+        static_cache.py): the stream, the routes in forward order, the recursion's own aux loss
+        (None without recursion)."""
+        if self.recursion is not None:
+            return self.recursion(self.blocks, x_BTD, p)
+        routes: list[Route] = []
+        for block in self.blocks:
+            x_BTD, block_routes = block(x_BTD, p)
+            routes.extend(block_routes)
+        return x_BTD, routes, None
+
     def forward(
         self,
         idx: Tensor,
@@ -156,14 +169,7 @@ class MoDTransformer(nn.Module):
             targets = check_targets(targets, self.config.vocab_size)
         x_BTD = self.embed(idx)
         p = Pass.start(self.config, idx, routing, cache, lengths, x_BTD.dtype)
-        routes: list[Route] = []
-        rec_aux = None
-        if self.recursion is not None:
-            x_BTD, routes, rec_aux = self.recursion(self.blocks, x_BTD, p)
-        else:
-            for block in self.blocks:
-                x_BTD, block_routes = block(x_BTD, p)
-                routes.extend(block_routes)
+        x_BTD, routes, rec_aux = self.run_blocks(x_BTD, p)
         B, T = idx.shape
         if last_only and p.lengths is not None:  # right-padded rows end at different positions
             x_BTD = x_BTD[torch.arange(B, device=idx.device), p.lengths - 1][:, None]

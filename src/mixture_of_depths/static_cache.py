@@ -185,8 +185,7 @@ class StaticDecoder(nn.Module):
         x = model.embed(tokens_N[:, None])
         cos, sin = self.cos[cache.pos][:, None, None], self.sin[cache.pos][:, None, None]
         p = Pass("causal", cos, sin, cache, decode=True)
-        for block in model.blocks:
-            x, _ = block(x, p)
+        x, _, _ = model.run_blocks(x, p)
         cache.pos += 1
         return model.lm_head(model.norm(x))[:, 0]
 
