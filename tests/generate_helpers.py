@@ -137,7 +137,6 @@ class HandDecoder:
         total = int(self.lens.max()) + n_new
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(cfg, len(prompts), total, dtype=dtype, grow=grow)
-        self.rows = torch.arange(len(prompts))
         self.seqs = [list(p) for p in prompts]
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +148,7 @@ class HandDecoder:
         tokens = self.logits.argmax(-1)
         for b, t in enumerate(tokens.tolist()):
             self.seqs[b].append(t)
-        self.logits, routing = decode_step(self.model, tokens, self.rows, self.cache)
+        self.logits, routing = decode_step(self.model, tokens, self.cache)
         return self.logits, routing
 
 

@@ -202,7 +202,7 @@ def test_decode_cost_equals_flop_counter_on_a_decode_step(over, takes):
     cache = KVCache(cfg, 1, P + 1)
     logits, _ = prefill(model, idx, torch.tensor([P]), cache)
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-        _, routing = decode_step(model, logits.argmax(-1), torch.arange(1), cache)
+        _, routing = decode_step(model, logits.argmax(-1), cache)
     assert routing[0].tolist() == [bool(t) for t in takes]  # the forcing held
     shares = layer_shares(cfg, [float(t) for t in takes])
     cached = (cache.lengths[:, 0].double() / (P + 1)).tolist()  # keys each layer attended over

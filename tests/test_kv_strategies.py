@@ -167,10 +167,9 @@ def test_the_cache_holds_every_token_keyed_from_the_layer_input(prefill_mode):
     cache = KVCache(cfg, len(ps), P + n_new, dtype=torch.float64)
     logits, _ = prefill(model, idx, lens, cache, prefill_mode)
     assert logits.argmax(-1).tolist() == [t[0] for t in g.tokens]
-    rows = torch.arange(len(ps))
     for step in range(n_new - 1):
         tok = torch.tensor([g.tokens[b][step] for b in range(len(ps))])
-        logits, _ = decode_step(model, tok, rows, cache)
+        logits, _ = decode_step(model, tok, cache)
         assert logits.argmax(-1).tolist() == [g.tokens[b][step + 1] for b in range(len(ps))]
     seen_tokens = lens + n_new - 1
     assert torch.equal(cache.lengths, seen_tokens.expand(cfg.n_layers, -1))
@@ -247,7 +246,7 @@ def test_residual_decode_step_equals_flop_counter(takes):
     cache = KVCache(cfg, 1, P + 1)
     logits, _ = prefill(model, idx, torch.tensor([P]), cache)
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-        _, routing = decode_step(model, logits.argmax(-1), torch.arange(1), cache)
+        _, routing = decode_step(model, logits.argmax(-1), cache)
     assert routing[0].tolist() == takes
     assert cache.lengths[:, 0].tolist() == [P + 1] * cfg.n_layers  # every layer stored it
     flops, _ = decode_cost(cfg, layer_shares(cfg, [float(t) for t in takes]), [1.0] * 4, P + 1)

@@ -65,7 +65,7 @@ def test_a_decode_step_that_takes_every_step_equals_flop_counter(kv):
     cache = KVCache(cfg, B, T + 1, dtype=torch.float64)
     prefill(model, random_tokens(B, T, seed=1), torch.full((B,), T), cache)
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-        _, routing = decode_step(model, torch.tensor([3, 4]), torch.arange(B), cache)
+        _, routing = decode_step(model, torch.tensor([3, 4]), cache)
     assert routing.all()
     est = estimate_flops(cfg, T, take_rate=1.0, decode_context=T + 1).decode_per_token
     assert est * B == pytest.approx(fc.get_total_flops(), rel=0.01)

@@ -87,6 +87,30 @@ class Cache(Protocol):
         ...
 
 
+def kv_slots(config: MoDConfig, layer: int, max_len: int, headroom: float = 1.5) -> int:
+    """The slots a cache gives KV layer `layer` (`Topology.kv_shares`) for `max_len` positions:
+    all of them where the layer holds every token, none where it holds none (a recursion step
+    that reads the first pass's, "share"), else `headroom` times its share at capacity, at
+    least 16: causal routing may take more (`KVCache` grows, `StaticKVCache` flags it)."""
+    share = config.kv_share(layer)
+    if share >= 1 or share == 0:
+        return max_len if share else 0
+    return min(max_len, max(_MIN_SLOTS, math.ceil(headroom * share * max_len)))
+
+
+def packed(k: Tensor, v: Tensor, take_BT: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """A prefill's keys and values (B, n_kv_heads, T, head_dim) with each row's takers
+    (`take_BT`; None: every token) moved to the front, in order, and their counts (B,) on the
+    host: what a cache layer stores, left-packed with no holes."""
+    B, H, T, d = k.shape
+    if take_BT is None:
+        return k, v, torch.full((B,), T, dtype=torch.long)
+    # A stable sort on "skipped" moves each row's taken tokens to the front, in order.
+    order_BT = torch.sort((~take_BT).to(torch.int8), dim=1, stable=True).indices
+    idx = order_BT[:, None, :, None].expand(B, H, T, d)
+    return k.gather(2, idx), v.gather(2, idx), take_BT.sum(1).cpu()
+
+
 def kv_hook(cache: Cache, layer: int, take_BT: Tensor | None, decode: bool) -> KVHook:
     """The attention's hook into `cache` for one layer. On a prefill the prompt's takers are
     stored and the prompt attends within itself, exactly as the full forward does; on a decode
@@ -127,10 +151,7 @@ class KVCache:
         self.v: list[Tensor] = []
         # One layer per application of a layer (a recursive model applies some several times).
         for layer in range(config.n_kv_layers):
-            share, slots = config.kv_share(layer), max_len  # 1: every token's layer
-            if grow and share < 1:  # 0: a recursion step that reads the first pass's
-                slots = min(max_len, max(_MIN_SLOTS, math.ceil(1.5 * share * max_len)))
-                slots = slots if share else 0
+            slots = kv_slots(config, layer, max_len) if grow else max_len
             size = (*shape[:2], slots, shape[3])
             self.k.append(torch.zeros(size, device=self.device, dtype=dtype))
             self.v.append(torch.zeros(size, device=self.device, dtype=dtype))
@@ -196,21 +217,11 @@ class KVCache:
         """Store, for each row, the keys/values of the prompt tokens with ``take_BT`` set (all when
         None), in order. `k`, `v`: (B, n_kv_heads, T, head_dim) for the whole padded prompt. The
         layer must be empty."""
-        B, _, T, _ = k.shape
-        if take_BT is None:
-            self._ensure(layer, T)
-            self.k[layer][:, :, :T] = k.to(self.dtype)
-            self.v[layer][:, :, :T] = v.to(self.dtype)
-            self._lengths[layer] = T
-            return
-        counts = take_BT.sum(1).cpu()
+        k, v, counts = packed(k, v, take_BT)
         self._ensure(layer, int(counts.max()))
-        # A stable sort on "skipped" moves each row's taken tokens to the front, in order.
-        order_BT = torch.sort((~take_BT).to(torch.int8), dim=1, stable=True).indices
-        idx = order_BT[:, None, :, None].expand(B, k.shape[1], T, k.shape[3])
-        n = min(T, self.slots(layer))
-        self.k[layer][:, :, :n] = k.gather(2, idx)[:, :, :n].to(self.dtype)
-        self.v[layer][:, :, :n] = v.gather(2, idx)[:, :, :n].to(self.dtype)
+        n = min(k.shape[2], self.slots(layer))
+        self.k[layer][:, :, :n] = k[:, :, :n].to(self.dtype)
+        self.v[layer][:, :, :n] = v[:, :, :n].to(self.dtype)
         self._lengths[layer] = counts
 
     def _fast_rows(self, layer: int, rows: Tensor) -> tuple[Tensor, slice | None]:

@@ -66,7 +66,18 @@ def router_names(model: MoDTransformer) -> list[str]:
 
 
 # -- input checks ---------------------------------------------------------------------------------
-def _prompt_batch(
+def right_pad(rows: Sequence[Sequence[int]], device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """Token lists as one right-padded batch of ids (B, longest) on `device` (the padding is
+    id 0, which no real token attends to: `lengths`) and their lengths (B,) on the host. The
+    one padding of prompts: `generate`, `static_generate` and the server's prefill."""
+    lens = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    idx = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)
+    for b, row in enumerate(rows):
+        idx[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return idx.to(device), lens
+
+
+def prompt_batch(
     model: MoDTransformer,
     prompts: Tensor | Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -102,12 +113,7 @@ def _prompt_batch(
                 f"{len(row) + max_new_tokens} positions, more than max_seq_len={cfg.max_seq_len}. "
                 "Shorten the prompt or ask for fewer tokens."
             )
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    T = int(lens.max())
-    idx = torch.zeros(len(rows), T, dtype=torch.long)
-    for b, row in enumerate(rows):
-        idx[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return idx.to(device), lens
+    return right_pad(rows, device)
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -162,19 +168,13 @@ def prefill(
 
 
 @torch.no_grad()
-def decode_step(
-    model: MoDTransformer, tokens: Tensor, rows: Tensor, cache: KVCache
-) -> tuple[Tensor, Tensor]:
-    """Feed one token (host ids) to each of `rows` (sorted host indices of cache rows); returns
-    logits (n, vocab) and the routing decisions (n, n_routers) on the host. Positions come from
-    the cache: each row's next position."""
-    every = len(rows) == cache.batch_size and rows.tolist() == list(range(len(rows)))
-    view = cache if every else cache.subset(rows)
-    idx = tokens.to(cache.device)[:, None]
-    out = model(idx, routing="causal", cache=view, last_only=True)
-    if not out.routes:
-        return out.logits[:, 0], torch.zeros(len(rows), 0, dtype=torch.bool)
-    return out.logits[:, 0], torch.cat([r.mask for r in out.routes], 1)  # (n, 1) host masks
+def decode_step(model: MoDTransformer, tokens: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
+    """Feed one token (ids (n,)) to each row of `cache`, any `Cache` (a `KVCache` or some of its
+    rows, a `StaticKVCache`, one step's entries of the server's paged cache); returns logits
+    (n, vocab) and the routing decisions (n, n_routers) on the host. Positions come from the
+    cache: each row's next one. With `prefill`, the one driver pair of every cache."""
+    out = model(tokens.to(cache.device)[:, None], routing="causal", cache=cache, last_only=True)
+    return out.logits[:, 0], routing_table(out.routes, len(tokens), 1)[:, 0]
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class Generation:
         self.feed_last, self.prefill_mode = feed_last, prefill_mode
         param = next(model.parameters())
         self.device = param.device
-        self.idx, self.lens = _prompt_batch(model, prompts, max_new_tokens, self.device)
+        self.idx, self.lens = prompt_batch(model, prompts, max_new_tokens, self.device)
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -242,7 +242,8 @@ class Generation:
                 if not keep.any() or (last and not self.feed_last):
                     return
                 rows, host = rows[keep], host[keep]
-                logits, routing = decode_step(model, host, rows, self.cache)
+                view = self.cache if len(rows) == len(self.lens) else self.cache.subset(rows)
+                logits, routing = decode_step(model, host, view)
                 for i, b in enumerate(rows.tolist()):
                     self.token_routing[b].append(routing[i])
                 if last:
@@ -348,7 +349,7 @@ def generate_reference(
 ) -> GenerationOutput:
     """Slow greedy generation without a cache: the full causal forward again at every step, row
     by row. The oracle that cached generation must equal; returns tokens, logits and routing."""
-    idx, lens = _prompt_batch(model, prompts, max_new_tokens, next(model.parameters()).device)
+    idx, lens = prompt_batch(model, prompts, max_new_tokens, next(model.parameters()).device)
     was_training = model.training
     model.eval()
     out = GenerationOutput(tokens=[], router_names=router_names(model), routing=[], logits=[])
@@ -408,9 +409,9 @@ def prefill_calibration(model: MoDTransformer, idx: Tensor, prompt_len: int) -> 
             cache = KVCache(model.config, B, T, param.device, param.dtype)
             lens = torch.full((B,), prompt_len, dtype=torch.long)
             logits, tables[mode] = prefill(model, idx[:, :prompt_len], lens, cache, mode)
-            steps, rows = [logits], torch.arange(B)
+            steps = [logits]
             for t in range(prompt_len, T - 1):
-                logits, _ = decode_step(model, idx[:, t].cpu(), rows, cache)
+                logits, _ = decode_step(model, idx[:, t], cache)
                 steps.append(logits)
             scores = torch.stack(steps, 1).to(at_least_float32(param.dtype))
             target = idx[:, prompt_len:]

@@ -13,26 +13,26 @@ the eager ones (`tests/cuda/test_cuda_generate.py`, greedy in float64). The pric
 routed blocks' compute on the skipping rows: little at batch 64, where nearly every routed
 layer has a taker anyway (1 - (1 - c)^B), the whole saving at batch 1 (docs/bench.md, GPU).
 
-A routed layer holds ``ceil(headroom * capacity * max_len)`` slots (at least 16), as
-`KVCache` starts; causal routing may take more. A row that would write past them sets an
-overflow flag on the device instead, and `static_generate` raises once at the end (one read):
-the tokens are then not trusted. Prefill runs eagerly into a `KVCache` and is copied in
-(`load`). Expert layers decode but are not capturable (their slices' bounds are read on the
-host).
+A KV layer holds the slots `KVCache` starts it at (`cache.kv_slots`: every position where it
+holds every token, else ``headroom`` times its share at capacity, at least 16); causal routing
+may take more. A row that would write past them sets an overflow flag on the device instead,
+and `static_generate` raises once at the end (one read): the tokens are then not trusted. The
+prefill is the model's own, eager, into this cache (`generate.prefill`); a prefill that does
+not fit is refused. Expert layers decode but are not capturable (their slices' bounds are read
+on the host).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .blocks import Pass
-from .cache import KVCache
+from .cache import kv_slots, packed
 from .config import MoDConfig
-from .generate import prefill
+from .generate import prefill, prompt_batch
 from .layers import LayerKV, rope_tables
 from .mlp_kv import attend_static
 from .model import MoDTransformer
@@ -66,44 +66,39 @@ class StaticKVCache(nn.Module):
                              f"{headroom}")  # fmt: skip
         self.config, self.batch_size, self.max_len = config, batch_size, max_len
         self.device, self.dtype = torch.device(device or "cpu"), dtype
-        full = set(config.full_kv_layers)
-        self.slots = [
-            max_len
-            if layer in full
-            else min(max_len, max(16, math.ceil(headroom * config.capacity * max_len)))
-            for layer in range(config.n_layers)
-        ]
+        n = config.n_kv_layers  # one per application of a layer (cfg.topology)
+        self.slots = [kv_slots(config, layer, max_len, headroom) for layer in range(n)]
         for layer, s in enumerate(self.slots):
             shape = (batch_size, config.n_kv_heads, s + 1, config.head_dim)
             self.register_buffer(f"k{layer}", torch.zeros(shape, device=self.device, dtype=dtype))
             self.register_buffer(f"v{layer}", torch.zeros(shape, device=self.device, dtype=dtype))
         long = dict(device=self.device, dtype=torch.long)
-        self.register_buffer("lengths", torch.zeros(config.n_layers, batch_size, **long))
+        self.register_buffer("lengths", torch.zeros(n, batch_size, **long))
         self.register_buffer("pos", torch.zeros(batch_size, **long))
-        self.register_buffer("overflow", torch.zeros(config.n_layers, dtype=torch.bool,
-                                                     device=self.device))  # fmt: skip
+        self.register_buffer("overflow", torch.zeros(n, dtype=torch.bool, device=self.device))
         self.register_buffer("rows", torch.arange(batch_size, **long))
 
-    def load(self, kv: KVCache) -> None:
-        """Take over a prefilled `KVCache` (same batch, model and dtype)."""
-        if kv.batch_size != self.batch_size or kv.dtype != self.dtype:
+    # -- the prefill (the model's forward, eager) -----------------------------------------------
+    def positions(self) -> Tensor:
+        return self.pos
+
+    def advance(self, counts: Tensor | int) -> None:
+        self.pos += counts.to(self.device) if isinstance(counts, Tensor) else counts
+
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
+        """A prefill's keys and values of the tokens with `take_BT` set (all when None),
+        left-packed per row (`cache.packed`); more than the layer's slots is an error."""
+        k, v, counts = packed(k, v, take_BT)
+        s = self.slots[layer]
+        if int(counts.max()) > s:
             raise ValueError(
-                f"the KV cache has {kv.batch_size} rows of {kv.dtype}, this one "
-                f"{self.batch_size} of {self.dtype}"
+                f"layer {layer}'s prefill stored {int(counts.max())} tokens in a row, more than "
+                f"its {s} static slots: raise headroom"
             )
-        lengths = kv.lengths
-        for layer, s in enumerate(self.slots):
-            n = int(lengths[layer].max())
-            if n > s:
-                raise ValueError(
-                    f"layer {layer}'s prefill stored {n} tokens in a row, more than its {s} "
-                    "static slots: raise headroom"
-                )
-            getattr(self, f"k{layer}")[:, :, :n] = kv.k[layer][:, :, :n]
-            getattr(self, f"v{layer}")[:, :, :n] = kv.v[layer][:, :, :n]
-        self.lengths.copy_(lengths)
-        self.pos.copy_(kv.positions())
-        self.overflow.zero_()
+        n = min(k.shape[2], s)
+        getattr(self, f"k{layer}")[:, :, :n] = k[:, :, :n].to(self.dtype)
+        getattr(self, f"v{layer}")[:, :, :n] = v[:, :, :n].to(self.dtype)
+        self.lengths[layer] = counts.to(self.device)
 
     # -- the protocol a decode step uses (cache.Cache) ------------------------------------------
     def append(self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None) -> None:
@@ -198,24 +193,23 @@ def static_generate(
     step: nn.Module | None = None,
     headroom: float = 1.5,
 ) -> list[list[int]]:
-    """Greedy generation of `max_new_tokens` per row (no EOS) with a static cache: an eager
-    prefill into a `KVCache`, then `step` (a `StaticDecoder` over this batch's cache, or that
-    compiled; None: an eager one is built). Tokens stay on the device until the end."""
-    idx, lens = _padded(prompts, model.embed.weight.device)
+    """Greedy generation of `max_new_tokens` per row (no EOS) with a static cache: the model's
+    prefill into it (`generate.prefill`), then `step` (a `StaticDecoder` over this batch's
+    cache, or that compiled; None: an eager one is built). Tokens stay on the device until the
+    end."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    idx, lens = prompt_batch(model, prompts, max_new_tokens, model.embed.weight.device)
     dtype = model.embed.weight.dtype
     total = int(lens.max()) + max_new_tokens
-    kv = KVCache(model.config, len(prompts), total, idx.device, dtype)
+    if step is None:
+        cache = StaticKVCache(model.config, len(lens), total, idx.device, dtype, headroom)
+        step = StaticDecoder(model, cache)
+    decoder = getattr(step, "_orig_mod", step)
     was_training = model.training
     model.eval()
     try:
-        logits, _ = prefill(model, idx, lens, kv)
-        if step is None:
-            cache = StaticKVCache(model.config, len(prompts), total, idx.device, dtype, headroom)
-            step = StaticDecoder(model, cache)
-        decoder = getattr(step, "_orig_mod", step)
-        decoder.cache.load(kv)
+        logits, _ = prefill(model, idx, lens, decoder.cache)
         out = [logits.argmax(-1)]
         for _ in range(max_new_tokens - 1):
             out.append(step(out[-1]).argmax(-1))
@@ -228,13 +222,3 @@ def static_generate(
             f"is not exact; raise headroom (was {headroom})"
         )
     return torch.stack(out, 1).tolist()
-
-
-def _padded(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-    if not prompts or any(len(p) < 1 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token lists")
-    lens = torch.tensor([len(p) for p in prompts])
-    idx = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        idx[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    return idx.to(device), lens

@@ -10,7 +10,8 @@ from generate_helpers import cached_tokens, causal_routes
 from helpers import V, make_model, random_tokens, tiny_config
 
 from mixture_of_depths import MoDTransformer
-from mixture_of_depths.serve.paged import PagedKVCache, paged_forward
+from mixture_of_depths.generate import decode_step
+from mixture_of_depths.serve.paged import PagedKVCache
 
 MAX_LEN = 64
 F64 = torch.float64
@@ -65,7 +66,7 @@ class PagedDriver:
             pos += list(range(start, start + len(tokens)))
             toks += tokens
             self.seqs[row] += tokens
-        logits, routing = paged_forward(self.model, self.cache, rows, pos, toks)
+        logits, routing = decode_step(self.model, torch.tensor(toks), self.cache.step(rows, pos))
         out, i = {}, 0
         for row, tokens in feeds.items():
             out[row] = (logits[i : i + len(tokens)], routing[i : i + len(tokens)])

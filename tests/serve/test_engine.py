@@ -21,10 +21,9 @@ from engine_helpers import (
 from generate_helpers import causal_routes
 
 from mixture_of_depths.data.tokenizers import ByteTokenizer
-from mixture_of_depths.generate import generate, generate_reference
+from mixture_of_depths.generate import generate, generate_reference, prefill
 from mixture_of_depths.serve.engine import Engine
 from mixture_of_depths.serve.metrics import take_rate_text
-from mixture_of_depths.serve.paged import paged_prefill
 from mixture_of_depths.serve.request import TextStream
 from mixture_of_depths.serve.types import QueueFull, RequestError, SamplingParams, ShuttingDown
 
@@ -94,11 +93,11 @@ def test_new_rows_take_the_models_prefill_in_one_padded_forward(kind, monkeypatc
 
     calls = []
 
-    def spy(model, cache, rows, chunks):  # noqa: ANN001
-        calls.append([len(c) for c in chunks])
-        return paged_prefill(model, cache, rows, chunks)
+    def spy(model, idx, lens, cache):  # noqa: ANN001
+        calls.append(lens.tolist())
+        return prefill(model, idx, lens, cache)
 
-    monkeypatch.setattr(engine_mod, "paged_prefill", spy)
+    monkeypatch.setattr(engine_mod, "prefill", spy)
     model = serve_model(kind)
     lens, ns = (5, 11, 2, 8, 30), (6, 4, 7, 5, 3)
     ps = prompts(lens, seed=3)
@@ -378,7 +377,7 @@ def test_a_failing_step_ends_its_batch_with_error_and_the_engine_keeps_serving(m
     model = serve_model("predictor")
     ps = prompts((6, 9))
     engine = _engine(model)
-    real = engine_module.paged_forward
+    real = engine_module.decode_step
     calls = {"n": 0}
 
     def flaky(*args, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -387,7 +386,7 @@ def test_a_failing_step_ends_its_batch_with_error_and_the_engine_keeps_serving(m
             raise RuntimeError("injected fault")
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_module, "paged_forward", flaky)
+    monkeypatch.setattr(engine_module, "decode_step", flaky)
     failed = engine.submit(ps[0], SamplingParams(max_tokens=8, **GREEDY))
     while engine.step():
         pass

@@ -268,7 +268,6 @@ def decode_run(
     cache = KVCache(cfg, B, P + new_tokens, device, dtype)
     lens = torch.full((B,), P, dtype=torch.long)
     logits, prompt_routing = prefill(model, prompt, lens, cache, "causal")
-    rows = torch.arange(B)
     decisions = []
     sync()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -276,7 +275,7 @@ def decode_run(
         tokens = sample_next(logits, temperature=0.0).cpu()
         if feed is not None:
             tokens = feed[:, step]
-        logits, routing = decode_step(model, tokens, rows, cache)
+        logits, routing = decode_step(model, tokens, cache)
         decisions.append(routing)
     sync()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..generate import router_names, sample_next
+from ..generate import decode_step, prefill, right_pad, router_names, sample_next
 from ..model import MoDTransformer
-from .paged import PagedKVCache, paged_forward, paged_prefill
+from .paged import PagedKVCache
 from .request import Request
 from .scheduler import Row, Scheduler
 from .types import Event, QueueFull, RequestError, SamplingParams, ShuttingDown
@@ -306,18 +306,19 @@ class Engine:
         rest = [(row, t) for row, t in plan if row.fed > 0]
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if new:
-            ids = [row.id for row, _ in new]
-            chunks = [row.request.tokens[:t] for row, t in new]
-            logits, routes = paged_prefill(self.model, self.cache, ids, chunks)
-            for i, (row, _) in enumerate(new):
-                out[row.id] = logits[i : i + 1], routes[i]
+            view = self.cache.prefill([row.id for row, _ in new])
+            idx, lens = right_pad([row.request.tokens[:t] for row, t in new], self.device)
+            logits, table = prefill(self.model, idx, lens, view)
+            for i, (row, t) in enumerate(new):
+                out[row.id] = logits[i : i + 1], table[i, :t]
         if rest:
             rows, positions, tokens = [], [], []
             for row, t in rest:
                 rows += [row.id] * t
                 positions += range(row.fed, row.fed + t)
                 tokens += row.request.tokens[row.fed : row.fed + t]
-            logits, routing = paged_forward(self.model, self.cache, rows, positions, tokens)
+            view = self.cache.step(rows, positions)
+            logits, routing = decode_step(self.model, torch.tensor(tokens), view)
             i = 0
             for row, t in rest:
                 out[row.id] = logits[i + t - 1 : i + t], routing[i : i + t]

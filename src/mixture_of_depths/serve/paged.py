@@ -22,8 +22,9 @@ stream, so this is the causal prefill: the decisions and values decoding would m
 (docs/semantics.md).
 
 Rows that have fed nothing yet skip the entries: `prefill(rows)` is a view (`PagedPrefill`) for the
-model's own prefill of their prompts, right-padded into one forward (`paged_prefill`), whose
+model's own prefill of their prompts, right-padded into one forward (`generate.prefill`), whose
 writes put each layer's takers straight onto the rows' pages, as `KVCache.write_prefill` does.
+Both views go through generation's one driver pair (`generate.prefill`, `generate.decode_step`).
 
 Names with shape suffixes: N entries of a step, R distinct rows among them, P pages, S slots.
 """
@@ -39,8 +40,6 @@ import torch
 from torch import Tensor
 
 from ..config import MoDConfig
-from ..generate import routing_table
-from ..model import MoDTransformer
 
 
 class PagePool:
@@ -407,47 +406,3 @@ class PagedPrefill:
         raise RuntimeError("a paged prefill only writes its prompts (no decode-step calls)")
 
     append_and_read = append = read = subset = _refuse
-
-
-@torch.no_grad()
-def paged_prefill(
-    model: MoDTransformer,
-    cache: PagedKVCache,
-    rows: Sequence[int],
-    prompts: Sequence[Sequence[int]],
-) -> tuple[Tensor, list[Tensor]]:
-    """The model's own causal prefill of empty rows' prompts, right-padded into one forward
-    (`cache.prefill`): logits at each row's last token (R, vocab) and, per row, the routing
-    decisions of its tokens (T_r, n_routers) on the host."""
-    lens = [len(p) for p in prompts]
-    idx = torch.zeros(len(rows), max(lens), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        idx[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-    view = cache.prefill(rows)
-    out = model(
-        idx.to(cache.device),
-        routing="causal",
-        cache=view,
-        lengths=torch.tensor(lens),
-        last_only=True,
-    )
-    table = routing_table(out.routes, len(rows), idx.shape[1])
-    return out.logits[:, 0], [table[i, :n] for i, n in enumerate(lens)]
-
-
-@torch.no_grad()
-def paged_forward(
-    model: MoDTransformer,
-    cache: PagedKVCache,
-    rows: Sequence[int],
-    positions: Sequence[int],
-    tokens: Sequence[int],
-) -> tuple[Tensor, Tensor]:
-    """One step of entries (token `tokens[i]` of row `rows[i]` at `positions[i]`) through the
-    model's forward: logits (N, vocab) and the routing decisions (N, n_routers) on the host."""
-    view = cache.step(rows, positions)
-    idx = torch.tensor(list(tokens), dtype=torch.long, device=cache.device)[:, None]
-    out = model(idx, routing="causal", cache=view, last_only=True)
-    if not out.routes:
-        return out.logits[:, 0], torch.zeros(len(rows), 0, dtype=torch.bool)
-    return out.logits[:, 0], torch.cat([r.mask.view(len(rows), 1).cpu() for r in out.routes], 1)
