@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from mixture_of_depths import MoDConfig, MoDTransformer, kernels
-from mixture_of_depths.cache import KVCache
 from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.generate import generate, prefill
 from mixture_of_depths.routing import calibrate_predictors
@@ -229,9 +228,7 @@ def part_decode(dry: bool) -> dict[str, Any]:
             total = s["prompt"] + n + 8
             cache = StaticKVCache(model.config, B, total, dev, dt, headroom=3.0)
             decoder = StaticDecoder(model, cache)
-            kv = KVCache(model.config, B, total, dev, dt)
-            logits, _ = prefill(model, prompts, torch.full((B,), s["prompt"]), kv)
-            cache.load(kv)  # the prompt's context, as static_generate would have it
+            logits, _ = prefill(model, prompts, torch.full((B,), s["prompt"]), cache)
             toks = logits.argmax(-1)
             if dev == "cuda":
                 graph, _, _ = graph_step(decoder, toks)
