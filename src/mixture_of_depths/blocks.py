@@ -34,6 +34,7 @@ class Pass:
     sin: Tensor
     cache: Cache | None = None
     decode: bool = False
+    static: bool = False  # decoding every row under masks, no host read (static_cache.py)
     valid_BT: Tensor | None = None
     lengths: Tensor | None = None  # (B,) on the device: real tokens per row
     # Filled by expert layers. A deque, not a list: wrappers that rebuild a block's arguments
@@ -87,7 +88,8 @@ class Pass:
                     f"{T} tokens, routing={routing!r}, lengths={lengths!r}"
                 )
             pos_d = pos.to(cache.device)  # each row's own position: tables (n, 1, 1, d)
-            return cls(routing, cos_S[pos_d, None, None], sin_S[pos_d, None, None], cache, True)
+            cos, sin = cos_S[pos_d, None, None], sin_S[pos_d, None, None]
+            return cls(routing, cos, sin, cache, True, getattr(cache, "static", False))
         if lengths is None:
             return cls(routing, cos_S[:T], sin_S[:T], cache)
         lens = torch.as_tensor(lengths).cpu()

@@ -34,15 +34,8 @@ from .blocks import Block, Pass
 from .cache import kv_hook
 from .config import MoDConfig
 from .layers import Attention, KVHook, LayerCost, LayerKV, Predictor, price
-from .routing import (
-    Route,
-    causal_attention_mask,
-    gate,
-    linear32,
-    router_aux_loss,
-    topk_indices,
-    topk_mask,
-)
+from .routing import Route, gate, linear32, router_aux_loss
+from .selection import Selection, choose
 from .topology import RECURSION
 
 KIND = RECURSION  # Route.kind of a recursion step; Route.layer is the step number
@@ -88,17 +81,16 @@ class Recursion(nn.Module):
         for layer in pre:
             x_BTD = self.every_token(blocks[layer], None, x_BTD, p, None)
         depth = self.depths(x_BTD) if self.token else None
-        routes: list[Route] = []
-        take_BT = topk_BT = None  # the tokens active (causal or top-k), None: all
+        routes: list[Route] = []  # the last one: the tokens still active (None: all)
         for r in range(cfg.recursions):
             if r == 0 or r not in self.routed:  # every token (the first pass, a step at 1.0)
                 store = first if r == 0 and cfg.recursion_kv == "share" else None
                 for layer in shared:
                     x_BTD = self.every_token(blocks[layer], r, x_BTD, p, store)
             else:
-                x_BTD, route = self.step(r, blocks, x_BTD, p, take_BT, topk_BT, depth, first)
+                prior = routes[-1] if routes else None
+                x_BTD, route = self.step(r, blocks, x_BTD, p, prior, depth, first)
                 routes.append(route)
-                take_BT, topk_BT = route.mask, route.target
         for layer in post:
             x_BTD = self.every_token(blocks[layer], None, x_BTD, p, None)
         aux = None
@@ -157,134 +149,31 @@ class Recursion(nn.Module):
         blocks: nn.ModuleList,
         x_BTD: Tensor,
         p: Pass,
-        take_BT: Tensor | None,
-        topk_BT: Tensor | None,
+        prior: Route | None,
         depth: tuple[Tensor, Tensor] | None,
         first: dict[int, tuple[Tensor, Tensor]],
     ) -> tuple[Tensor, Route]:
-        """Routed step r: pick its tokens among the active ones and run the shared layers."""
+        """Routed step r: pick its tokens among those active after `prior` (selection.choose:
+        expert choice's nested top-k or causal decision, token choice's exact one) and run the
+        shared layers on them, each leaving as ``x + g * (stack(x) - x)``."""
         logits, g_BT, pred_BT, decide_BT, thr = self.decide(r, x_BTD, depth)
-        if p.decode:  # one token per row, causal: the one host sync of the step
-            take = decide_BT > thr
-            take = (take if take_BT is None else take & take_BT.to(take.device)).cpu()
-            x_BTD = self.run_rows(r, blocks, x_BTD, g_BT, take, p)
-            return x_BTD, Route(r, KIND, take, logits, None, pred_BT, thr)
-        B, T = logits.shape
-        if depth is not None:  # token choice: exact, every mode
-            take = decide_BT > thr if p.valid_BT is None else (decide_BT > thr) & p.valid_BT
-            x_BTD = self.run_masked(r, blocks, x_BTD, g_BT, take, p, first)
-            return x_BTD, Route(r, KIND, take, logits, take, None, thr)
-        # expert choice: the top-k of the tokens still active in top-k routing
-        score = logits if topk_BT is None else logits.masked_fill(~topk_BT, float("-inf"))
-        if p.valid_BT is None:
-            idx_BK = topk_indices(score, self.cfg.recursion_tokens(r, T))
-            target = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx_BK, True)
-            if p.routing == "topk":
-                x_BTD = self.run_topk(r, blocks, x_BTD, g_BT, idx_BK, p, first)
-                return x_BTD, Route(r, KIND, target, logits, target, pred_BT, thr)
-        else:  # right-padded prompts: each row's own tokens
-            target = topk_mask(score, self.cfg.recursion_tokens(r, p.lengths), p.valid_BT)
-        if p.routing == "topk":
-            take = target
-        else:
-            take = decide_BT > thr if take_BT is None else (decide_BT > thr) & take_BT
-        if p.valid_BT is not None:
-            take = take & p.valid_BT
-        x_BTD = self.run_masked(r, blocks, x_BTD, g_BT, take, p, first)
+        k_of = lambda n: self.cfg.recursion_tokens(r, n)  # noqa: E731
+        s, take, target = choose(p, logits, decide_BT, thr, k_of, prior, depth is not None)
+        topo, share = self.cfg.topology, self.cfg.recursion_kv == "share"
+
+        def update(y: Tensor, s: Selection) -> Tensor:
+            y0 = y
+            for layer in topo.recursion_layers[1]:
+                mask: Tensor | None = None
+                if share:  # the first pass's keys and values of every earlier token
+                    kv: KVHook | LayerKV | None = s.given(topo.kv_layer(layer, 0), first.get(layer))
+                else:  # its own tokens', cached in the step's KV layer
+                    kv, mask = s.own(topo.kv_layer(layer, r))
+                y = y + blocks[layer].update("block", y, s.cos, s.sin, mask, kv, s.p)
+            return y - y0
+
+        x_BTD = s.run(x_BTD, update, g_BT)
         return x_BTD, Route(r, KIND, take, logits, target, pred_BT, thr)
-
-    def shared_kv(
-        self,
-        layer: int,
-        r: int,
-        p: Pass,
-        take: Tensor | None,
-        first: dict,
-        mask: Tensor | None,
-    ) -> KVHook | LayerKV | None:
-        """What shared layer `layer` attends to at routed step r: ("share") the first pass's
-        keys under `mask`, or ("recursion") its own tokens, cached in the step's KV layer."""
-        if self.cfg.recursion_kv == "share":
-            return LayerKV(*first[layer], mask)
-        vl = self.cfg.topology.kv_layer(layer, r)
-        return None if p.cache is None else kv_hook(p.cache, vl, take, False)
-
-    def run_topk(
-        self,
-        r: int,
-        blocks: nn.ModuleList,
-        x_BTD: Tensor,
-        g_BT: Tensor,
-        idx_BK: Tensor,
-        p: Pass,
-        first: dict,
-    ) -> Tensor:
-        """Gather each row's k tokens, run the shared layers on them, scatter them back."""
-        B, T, D = x_BTD.shape
-        k = idx_BK.shape[1]
-        if k == 0:
-            return x_BTD
-        rows_N = (idx_BK + T * torch.arange(B, device=idx_BK.device)[:, None]).flatten()
-        x_ND = x_BTD.reshape(B * T, D)
-        x0_BKD = x_ND.index_select(0, rows_N).view(B, k, D)
-        cos, sin = p.cos[idx_BK].unsqueeze(1), p.sin[idx_BK].unsqueeze(1)
-        # "share": chosen token i reads the first pass's keys at positions <= idx[i]
-        seen = (torch.arange(T, device=idx_BK.device) <= idx_BK[:, :, None]).unsqueeze(1)
-        y_BKD = x0_BKD
-        for layer in self.cfg.topology.recursion_layers[1]:
-            kv = self.shared_kv(layer, r, p, None, first, seen)
-            y_BKD = y_BKD + blocks[layer].update("block", y_BKD, cos, sin, None, kv, p)
-        g_BK = g_BT.gather(1, idx_BK).unsqueeze(-1)
-        out_BKD = x0_BKD + g_BK * (y_BKD - x0_BKD)
-        return x_ND.index_copy(0, rows_N, out_BKD.reshape(B * k, D)).view(B, T, D)
-
-    def run_masked(
-        self,
-        r: int,
-        blocks: nn.ModuleList,
-        x_BTD: Tensor,
-        g_BT: Tensor,
-        take_BT: Tensor,
-        p: Pass,
-        first: dict,
-    ) -> Tensor:
-        """Every token computes; a taker attends only to earlier takers ("recursion") or to the
-        first pass's keys of every earlier token ("share"); the others keep x."""
-        mask = None if self.cfg.recursion_kv == "share" else causal_attention_mask(take_BT)
-        y_BTD = x_BTD
-        for layer in self.cfg.topology.recursion_layers[1]:
-            kv = self.shared_kv(layer, r, p, take_BT, first, None)
-            y_BTD = y_BTD + blocks[layer].update("block", y_BTD, p.cos, p.sin, mask, kv, p)
-        out_BTD = x_BTD + g_BT.unsqueeze(-1) * (y_BTD - x_BTD)
-        return torch.where(take_BT.unsqueeze(-1), out_BTD, x_BTD)
-
-    def run_rows(
-        self,
-        r: int,
-        blocks: nn.ModuleList,
-        x_N1D: Tensor,
-        g_N1: Tensor,
-        take_N1: Tensor,
-        p: Pass,
-    ) -> Tensor:
-        """Decode step: the rows whose token takes step r run the shared layers; only they
-        append to its cache layers ("recursion") or read the first pass's ("share")."""
-        sel = take_N1.view(-1).nonzero().view(-1)
-        if len(sel) == 0:
-            return x_N1D
-        sel_d = sel.to(x_N1D.device)
-        x0_M1D, cos, sin = x_N1D[sel_d], p.cos[sel_d], p.sin[sel_d]
-        cache = p.cache.subset(sel)
-        y_M1D = x0_M1D
-        topo = self.cfg.topology
-        for layer in topo.recursion_layers[1]:
-            if self.cfg.recursion_kv == "share":  # the first pass's keys and values
-                kv: KVHook | LayerKV = LayerKV(*cache.read(topo.kv_layer(layer, 0)))
-            else:
-                kv = kv_hook(cache, topo.kv_layer(layer, r), None, decode=True)
-            y_M1D = y_M1D + blocks[layer].update("block", y_M1D, cos, sin, None, kv, p)
-        out_M1D = x0_M1D + g_N1[sel_d].unsqueeze(-1) * (y_M1D - x0_M1D)
-        return x_N1D.index_copy(0, sel_d, out_M1D)
 
 
 # -- what the recursion costs ---------------------------------------------------------------------

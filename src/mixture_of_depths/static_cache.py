@@ -33,11 +33,9 @@ from .blocks import Pass
 from .cache import kv_slots, packed
 from .config import MoDConfig
 from .generate import prefill, prompt_batch
-from .layers import LayerKV, rope_tables
-from .mlp_kv import attend_static
+from .layers import rope_tables
 from .model import MoDTransformer
 from .precision import at_least_float32
-from .routing import Route
 
 
 class StaticKVCache(nn.Module):
@@ -45,7 +43,7 @@ class StaticKVCache(nn.Module):
     trash slot; ``lengths`` (layers, B) and ``pos`` (B,) on the device. Its tensors are
     buffers so that a captured step may update them in place."""
 
-    masked = True  # routed blocks decode every row under masks (`RoutedBlock.route`)
+    static = True  # a decode step runs every row under masks (selection.py, "device")
 
     def __init__(
         self,
@@ -131,30 +129,6 @@ class StaticKVCache(nn.Module):
         self.append(layer, k, v, take_N)
         return self.read(layer)
 
-    def decode_rows(
-        self, block: nn.Module, kind: str, x_N1D: Tensor, pred_N1: Tensor | None, thr: float,
-        p: Pass,
-    ) -> tuple[Tensor, Route]:  # fmt: skip
-        """A routed (sub-)block's decode step on every row under its take mask (the rule of
-        `RoutedBlock.run_rows`, with masks instead of a host-side choice of rows)."""
-        r_N1 = block.router_weight(kind, x_N1D)
-        take_N1 = (r_N1 if pred_N1 is None else pred_N1) > thr
-        kv, sub = None, kind
-        if kind == "mlp_kv":  # every row queries the takers' keys; then the takers' MLP
-            x_N1D = x_N1D + attend_static(self, block, x_N1D, take_N1[:, 0], p)
-            sub = "mlp"
-        if sub != "mlp" and block.residual_kv:  # every row stores its key and value
-            k, v = block.attn.kv(block.attn_norm(x_N1D), p.cos, p.sin)
-            self.append(block.layer, k, v)
-            kv = LayerKV(*self.read(block.layer))
-        elif sub != "mlp":
-            take_N = take_N1[:, 0]
-            kv = lambda k, v, mask: self.append_and_read(block.layer, k, v, take_N)  # noqa: E731
-        y_N1D = block.gated(sub, x_N1D, r_N1, p.cos, p.sin, None, kv, p)
-        # A skipping row's y may hold NaN (a query over no filled slot): `where` never reads it.
-        x_N1D = torch.where(take_N1.unsqueeze(-1), y_N1D, x_N1D)
-        return x_N1D, Route(block.layer, kind, take_N1, r_N1, None, pred_N1, thr)
-
 
 class StaticDecoder(nn.Module):
     """One decode step over a `StaticKVCache`: ``decoder(tokens_N)`` -> logits (N, vocab), the
@@ -179,7 +153,7 @@ class StaticDecoder(nn.Module):
         model, cache = self.model, self.cache
         x = model.embed(tokens_N[:, None])
         cos, sin = self.cos[cache.pos][:, None, None], self.sin[cache.pos][:, None, None]
-        p = Pass("causal", cos, sin, cache, decode=True)
+        p = Pass("causal", cos, sin, cache, decode=True, static=True)
         x, _, _ = model.run_blocks(x, p)
         cache.pos += 1
         return model.lm_head(model.norm(x))[:, 0]

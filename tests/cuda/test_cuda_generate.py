@@ -145,7 +145,7 @@ def test_an_eager_decode_step_reads_each_routed_decision_and_the_sampled_tokens(
     per_step = {k: (counts[1][k] - counts[0][k]) / 2 for k in counts[1]}
     routers = len(model.config.routed_layers) * (2 if routing == "staggered" else 1)
     assert {k: v for k, v in per_step.items() if v} == {
-        "cpu at routed.py:route": routers,
+        "cpu at selection.py:choose": routers,
         "cpu at generate.py:steps": 1,
         "__bool__ at checks.py:check_id_range": 1,
     }

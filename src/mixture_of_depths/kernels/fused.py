@@ -1,6 +1,7 @@
-"""The routed block's top-k forward on the fused kernels: the rule of `RoutedBlock.run_topk`
-(docs/semantics.md) with the gather folded into the first projection and the gated
-scatter-add into the last one's epilogue.
+"""The routed block's top-k forward on the fused kernels: the rule of `RoutedBlock.run` on a
+top-k selection (selection.py gives the rows, positions and gates; docs/semantics.md) with the
+gather folded into the first projection and the gated scatter-add into the last one's
+epilogue.
 
 - attention ("attn", and the first half of "block"): ``qkv = gather_linear(x, rows, wqkv,
   attn_norm)``, rotary at the original positions, causal SDPA over the chosen tokens;
@@ -10,19 +11,17 @@ scatter-add into the last one's epilogue.
   ``f = a + mlp(mlp_norm(x~ + a))``.
 
 With ``routing="mlp_kv"`` the takers' MLP runs here as "mlp"; the attention before it, whose
-queries are every token (no gather to fuse), stays in PyTorch (mlp_kv.attend_topk).
+queries are every token (no gather to fuse), stays in PyTorch (mlp_kv.attend).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..layers import MLP, apply_rope
-from ..routing import gate
 from . import ops
 
 
@@ -33,8 +32,7 @@ def applies(block: Any, kind: str, p: Any) -> bool:
     return p.cache is None and not residual and isinstance(block.mlp, MLP)
 
 
-def _attention(block: Any, x_ND: Tensor, rows_N: Tensor, B: int, k: int, idx_BK: Tensor,
-               p: Any) -> Tensor:  # fmt: skip
+def _attention(block: Any, x_ND: Tensor, rows_N: Tensor, B: int, k: int, s: Any) -> Tensor:
     """SDPA's output (B*k, H*d) of the chosen tokens, queries and keys among themselves."""
     attn = block.attn
     H, Hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -42,8 +40,7 @@ def _attention(block: Any, x_ND: Tensor, rows_N: Tensor, B: int, k: int, idx_BK:
                             block.attn_norm.eps)  # fmt: skip
     qkv = qkv.view(B, k, H + 2 * Hkv, d).transpose(1, 2)
     qk, v = qkv.split((H + Hkv, Hkv), dim=1)
-    cos, sin = p.cos[idx_BK].unsqueeze(1), p.sin[idx_BK].unsqueeze(1)
-    q, key = apply_rope(qk, cos, sin).split((H, Hkv), dim=1)
+    q, key = apply_rope(qk, s.cos, s.sin).split((H, Hkv), dim=1)
     y = F.scaled_dot_product_attention(q, key, v, is_causal=k > 1, enable_gqa=Hkv != H)
     return y.transpose(1, 2).reshape(B * k, H * d)
 
@@ -53,20 +50,19 @@ def _swiglu(h: Tensor) -> Tensor:
     return F.silu(a) * b
 
 
-def run_topk(block: Any, kind: str, x_BTD: Tensor, r_BT: Tensor, idx_BK: Tensor,
-             p: Any) -> Tensor:  # fmt: skip
-    """`RoutedBlock.run_topk` on the kernels (``applies`` holds; k > 0)."""
+def run_topk(block: Any, kind: str, x_BTD: Tensor, g_BT: Tensor, s: Any) -> Tensor:
+    """`RoutedBlock.run` on the kernels for a top-k selection `s` (selection.py: its rows and
+    gates; ``applies`` holds; k > 0)."""
     B, T, D = x_BTD.shape
-    k = idx_BK.shape[1]
-    rows_N = (idx_BK + T * torch.arange(B, device=idx_BK.device)[:, None]).flatten()
-    x_ND = x_BTD.reshape(B * T, D)
-    g_N = gate(block.cfg, r_BT.gather(1, idx_BK), x_BTD).flatten()
+    k = s.idx.shape[1]
+    rows_N, x_ND = s.rows, x_BTD.reshape(B * T, D)
+    g_N = s.gather(g_BT).flatten()
     if kind == "mlp":
         h = ops.gather_linear(x_ND, rows_N, block.mlp.w13.weight, block.mlp_norm.weight,
                               block.mlp_norm.eps)  # fmt: skip
         out = ops.scatter_linear(x_ND, rows_N, g_N, _swiglu(h), block.mlp.w2.weight)
         return out.view(B, T, D)
-    y = _attention(block, x_ND, rows_N, B, k, idx_BK, p)
+    y = _attention(block, x_ND, rows_N, B, k, s)
     if kind == "attn":
         return ops.scatter_linear(x_ND, rows_N, g_N, y, block.attn.wo.weight).view(B, T, D)
     a_ND = block.attn.wo(y)

@@ -1,0 +1,187 @@
+"""The one routing executor: which tokens take a routed (sub-)block or a recursion step
+(`choose`), and how they run (`Selection`), in the four selection modes of the paths
+(docs/semantics.md, "Routed blocks" and "The KV cache and generation"):
+
+- ``"topk"`` (training's top-k forward): each row's k chosen tokens, gathered in position
+  order, run as a short sequence at their original positions and scattered back;
+- ``"masked"`` (the causal forward, a prefill): every token computes, a taker attends only to
+  the earlier takers, and the skippers keep their stream (`torch.where`);
+- ``"rows"`` (a decode step, the decisions on the host): only the taking rows run, on a view
+  of the cache narrowed to them;
+- ``"device"`` (a static decode step, no host read): every row runs under masks; a skipping
+  row's key and value go to the cache's trash slot.
+
+`RoutedBlock` and `Recursion` choose, then call `Selection.run` with only their update (a
+function of the selected tokens' stream and the selection, returning f) and their gate: each
+taker leaves as ``x + g * f``, every other token bit for bit as it came. The attention in an
+update asks the selection for its keys: `own` (the takers', stored in a cache layer) or `given`
+(every token's: a residual layer's, or the recursion's first pass's). The fused kernels
+(kernels/fused.py) run a top-k selection's rows and gates.
+
+Names with shape suffixes: B batch, T tokens, K chosen per row, N decode rows, D width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .cache import Cache, kv_hook
+from .layers import KVHook, LayerKV
+from .routing import causal_attention_mask, positions_mask, topk_indices, topk_mask
+
+MODES = ("topk", "masked", "rows", "device")
+Update = Callable[[Tensor, "Selection"], Tensor]
+
+
+def choose(
+    p: Any,
+    score_BT: Tensor | None,
+    decide_BT: Tensor,
+    threshold: float,
+    k_of: Callable[[Any], Any],
+    prior: Any = None,
+    exact: bool = False,
+) -> tuple[Selection, Tensor, Tensor | None]:
+    """The selection of a routed (sub-)block or step on pass `p` (a `blocks.Pass`), its
+    decisions (`Route.mask`) and its top-k target (None when decoding). Top-k picks the
+    ``k_of(T)`` (or, for right-padded prompts, ``k_of(lengths)``) largest scores; causal
+    routing takes ``decide > threshold``. `prior`: the route of the step before (a recursion's
+    active tokens: top-k nests in its target, the causal decision in its mask). `exact`: the
+    causal decision in every mode (token-choice recursion)."""
+    take = decide_BT > threshold
+    if p.decode:  # one token per row, causal
+        if prior is not None:
+            take = take & prior.mask.to(take.device)
+        if p.static:
+            return Selection(p, "device", take), take, None
+        take = take.cpu()  # the one host read of a decode step's routed (sub-)block
+        return Selection(p, "rows", take), take, None
+    if exact:
+        take = take if p.valid_BT is None else take & p.valid_BT
+        return Selection(p, "masked", take), take, take
+    T = decide_BT.shape[1]
+    if prior is not None:  # nested: the top-k of the tokens still active in top-k routing
+        score_BT = score_BT.masked_fill(~prior.target, float("-inf"))
+    if p.valid_BT is None:
+        idx_BK = topk_indices(score_BT, k_of(T))
+        target = positions_mask(idx_BK, T)
+        if p.routing == "topk":  # training: gather exactly k tokens per row
+            return Selection(p, "topk", idx_BK=idx_BK), target, target
+    else:  # right-padded prompts: top-k over each row's own tokens
+        target = topk_mask(score_BT, k_of(p.lengths), p.valid_BT)
+    if p.routing == "topk":
+        take = target
+    elif prior is not None:
+        take = take & prior.mask
+    if p.valid_BT is not None:
+        take = take & p.valid_BT
+    return Selection(p, "masked", take), take, target
+
+
+class Selection:
+    """The tokens of one pass that take a routed (sub-)block or step, in one of `MODES`:
+    `take` (B, T) or (N, 1) bool (on the host in "rows"), or `idx_BK` (sorted) in "topk"."""
+
+    def __init__(
+        self, p: Any, mode: str, take: Tensor | None = None, idx_BK: Tensor | None = None
+    ) -> None:
+        self.p, self.mode, self.take, self.idx = p, mode, take, idx_BK
+        self.cos, self.sin = p.cos, p.sin
+        self.empty = False  # known on the host to select nothing: nothing runs
+        self._view: Cache | None = None
+        self._mask: Tensor | None = None
+        if mode == "topk":
+            B, T = idx_BK.shape[0], p.cos.shape[0]
+            self.empty = idx_BK.shape[1] == 0
+            # Flat row indices into (B*T, D): index_select/index_copy move whole rows, several
+            # times cheaper than gather/scatter with a D-expanded index.
+            self.rows = (idx_BK + T * torch.arange(B, device=idx_BK.device)[:, None]).flatten()
+            # Original positions; idx is sorted, so a plain causal mask over K is causal in T.
+            self.cos, self.sin = p.cos[idx_BK].unsqueeze(1), p.sin[idx_BK].unsqueeze(1)
+        elif mode == "rows":
+            sel = take.view(-1).nonzero().view(-1)
+            m, n = len(sel), len(take)
+            self.sel, self.empty = sel, m == 0
+            self.pick: slice | Tensor = slice(None)  # every row: no gather, no scatter
+            if 0 < m < n:  # one row, the common case at low capacity: a slice, not a gather
+                one = slice(int(sel[0]), int(sel[0]) + 1)
+                self.pick = one if m == 1 else sel.to(p.cos.device)
+                self.cos, self.sin = p.cos[self.pick], p.sin[self.pick]
+
+    # -- the tokens -----------------------------------------------------------------------------
+    def gather(self, x: Tensor) -> Tensor:
+        """The selected tokens of `x` (B, T, D) or (B, T): (B, K, ...) in "topk", the taking
+        rows in "rows", every token otherwise."""
+        if self.mode == "topk":
+            if x.dim() == 2:
+                return x.gather(1, self.idx)
+            B, K = self.idx.shape
+            return x.reshape(-1, x.shape[-1]).index_select(0, self.rows).view(B, K, -1)
+        return x[self.pick] if self.mode == "rows" else x
+
+    def scatter(self, x: Tensor, y: Tensor) -> Tensor:
+        """`x` with the selected tokens' new stream `y` put back; every other token as it was."""
+        if self.mode == "topk":
+            D = x.shape[-1]
+            return x.reshape(-1, D).index_copy(0, self.rows, y.reshape(-1, D)).view(x.shape)
+        if self.mode == "rows":
+            if isinstance(self.pick, slice) and self.pick == slice(None):
+                return y
+            return x.index_copy(0, self.sel.to(x.device), y)
+        return torch.where(self.take.unsqueeze(-1), y, x)
+
+    def run(
+        self, x: Tensor, update: Update, g_BT: Tensor | None, g_sub: Tensor | None = None
+    ) -> Tensor:
+        """``x + g * update(x)`` for the selected tokens, every other token unchanged. The gate
+        per token of `x` (`g_BT`), or already of the selected tokens (`g_sub`)."""
+        if self.empty:
+            return x
+        x_sub = self.gather(x)
+        f = update(x_sub, self)
+        g = self.gather(g_BT) if g_sub is None else g_sub
+        return self.scatter(x, x_sub + g.unsqueeze(-1) * f)
+
+    # -- what the selected tokens' attention reads ----------------------------------------------
+    @property
+    def view(self) -> Cache:
+        """The cache seen through the taking rows ("rows")."""
+        if self._view is None:
+            whole = isinstance(self.pick, slice) and self.pick == slice(None)
+            self._view = self.p.cache if whole else self.p.cache.subset(self.sel)
+        return self._view
+
+    def own(self, layer: int) -> tuple[KVHook | None, Tensor | None]:
+        """The takers' own keys in cache layer `layer`: the hook that stores them (decoding:
+        and reads all the layer holds for the selected rows), and the mask among them."""
+        p = self.p
+        if self.mode == "masked":
+            if self._mask is None:
+                self._mask = causal_attention_mask(self.take)
+            return (None if p.cache is None else kv_hook(p.cache, layer, self.take, False)), (
+                self._mask
+            )
+        if p.cache is None:
+            return None, None
+        if self.mode == "topk":  # the gathered takers, in order: what the layer stores
+            return kv_hook(p.cache, layer, None, False), None
+        if self.mode == "rows":
+            return kv_hook(self.view, layer, None, True), None
+        take_N = self.take[:, 0]  # "device": a skipper's key and value go to the trash slot
+        return (lambda k, v, mask: p.cache.append_and_read(layer, k, v, take_N)), None
+
+    def given(self, layer: int, kv: tuple[Tensor, Tensor] | None) -> LayerKV:
+        """Keys every token has, read by the selected queries: `kv` (B, n_kv_heads, T, d) in a
+        forward (a chosen token sees those at or before its position), or what cache layer
+        `layer` holds when decoding."""
+        if self.mode == "topk":
+            T = self.p.cos.shape[0]
+            seen = torch.arange(T, device=self.idx.device) <= self.idx[:, :, None]
+            return LayerKV(*kv, seen.unsqueeze(1))
+        if self.mode == "masked":  # every token is a query: plain causal
+            return LayerKV(*kv, None)
+        return LayerKV(*(self.view if self.mode == "rows" else self.p.cache).read(layer))
