@@ -1,0 +1,90 @@
+"""Every decode path through the one driver pair (`generate.prefill`, `generate.decode_step`)
+on every configuration a model can take: routing (joint, staggered, MLP-only, takers' keys) x
+skipped_kv (none, residual) x MoDE (none, staged, integrated) x MoR (expert and token choice,
+recursion-wise and shared KV). The static cache's greedy tokens equal `generate`'s, and the
+server's greedy completions equal `generate_reference`'s, token for token in float64 (docs/
+semantics.md, "Numerics and tests"); a configuration the config cannot build is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from generate_helpers import make_prompts
+from helpers import make_model, random_tokens, tiny_config
+
+from mixture_of_depths import generate
+from mixture_of_depths.generate import generate_reference
+from mixture_of_depths.serve.engine import Engine
+from mixture_of_depths.serve.types import SamplingParams
+from mixture_of_depths.static_cache import static_generate
+
+F64 = torch.float64
+STAGED = dict(n_experts=2, experts_per_token=1)  # expert MLPs in the MoD blocks
+INTEGRATED = dict(layer_pattern="D", n_experts=2, n_noop_experts=1, experts_per_token=1)
+MOR = dict(layer_pattern="D", recursions=3, causal_router="predictor")
+CELLS: dict[str, dict] = {
+    f"{routing}-{kv}-{mode}": dict(routing=routing, skipped_kv=kv, **experts)
+    for routing in ("joint", "staggered", "mlp", "mlp_kv")
+    for kv in ("none", "residual")
+    for mode, experts in (("moe-none", {}), ("mode-staged", STAGED))
+}
+CELLS |= {
+    "joint-aux_loss": dict(routing="joint", causal_router="aux_loss"),
+    "mode-integrated": INTEGRATED,
+    "mor-expert-recursion": dict(MOR, recursion_capacities=(0.5, 0.3)),
+    "mor-expert-share": dict(MOR, recursion_capacities=(0.5, 0.3), recursion_kv="share"),
+    "mor-expert-cycle-aux": dict(MOR, recursion_sharing="cycle", causal_router="aux_loss"),
+    "mor-token-recursion": dict(MOR, recursion_router="token"),
+    "mor-token-share": dict(MOR, recursion_router="token", recursion_kv="share"),
+}
+# The cells the config refuses, and the words its error names them by.
+REFUSED = {
+    f"{routing}-residual-{mode}": (f"routing='{routing}'", "skipped_kv='residual'")
+    for routing in ("mlp", "mlp_kv")
+    for mode in ("moe-none", "mode-staged")
+}
+SERVED = [name for name in CELLS if name not in REFUSED]
+
+
+def cell_model(name: str, seed: int = 0):  # noqa: ANN201
+    """The float64 test model of a cell, predictors calibrated to take about half the tokens."""
+    cfg = tiny_config(**{"max_seq_len": 64, "capacity": 0.3, **CELLS[name]})
+    return make_model(cfg, seed, F64, take=0.5, calib_idx=random_tokens(4, 32, seed + 100))
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_configuration_the_config_cannot_build_is_refused_by_name(name):
+    with pytest.raises(ValueError) as err:
+        tiny_config(**CELLS[name])
+    for words in REFUSED[name]:
+        assert words in str(err.value), (name, str(err.value))
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_static_decode_equals_generate_on_every_configuration(name):
+    """The static cache's masked decode step (every row, masks, a trash slot: no host read)
+    against the KV cache's rows, prompts of unequal lengths (slots ample: no overflow)."""
+    model = cell_model(name)
+    prompts = make_prompts()
+    want = generate(model, prompts, 10, temperature=0).tokens
+    assert static_generate(model, prompts, 10, headroom=4.0) == want
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_served_greedy_completions_equal_the_reference_on_every_configuration(name):
+    """Prompts of several lengths served together (a chunked prefill, rows that join and
+    leave): each completion equals the no-cache reference for its prompt alone."""
+    model = cell_model(name)
+    prompts = make_prompts((5, 17, 3, 9), seed=2)
+    new = (6, 4, 7, 5)
+    engine = Engine(model, None, max_rows=3, page_size=4, prefill_chunk=8)
+    greedy = dict(temperature=0.0, stop_at_eos=False)
+    reqs = [
+        engine.submit(p, SamplingParams(max_tokens=n, **greedy))
+        for p, n in zip(prompts, new, strict=True)
+    ]
+    while engine.step():
+        pass
+    want = [generate_reference(model, [p], n).tokens[0] for p, n in zip(prompts, new, strict=True)]
+    assert [r.result(0)[0] for r in reqs] == want
