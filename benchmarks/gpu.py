@@ -37,7 +37,7 @@ from mixture_of_depths import MoDConfig, MoDTransformer, kernels
 from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.generate import generate, prefill
 from mixture_of_depths.routing import calibrate_predictors
-from mixture_of_depths.static_cache import StaticDecoder, StaticKVCache
+from mixture_of_depths.static_cache import StaticDecoder, StaticKVCache, graph_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUTS = {"tests": 150, "train": 130, "block": 45, "decode": 130}  # seconds: 7.6 min in all
@@ -192,21 +192,6 @@ def part_block(dry: bool) -> dict[str, Any]:
         out["fused over eager"] = out["routed eager ms"] / out["routed fused ms"]
     out["routed eager / dense"] = out["dense ms"] / out["routed eager ms"]
     return out
-
-
-def graph_step(decoder: StaticDecoder, tokens: torch.Tensor) -> Any:
-    """The static decode step captured as one CUDA graph (no compiler): replay() runs it."""
-    static_in = tokens.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):  # warm-up outside the capture (allocations, lazy init)
-            decoder(static_in)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        static_out = decoder(static_in)
-    return graph, static_in, static_out
 
 
 def part_decode(dry: bool) -> dict[str, Any]:

@@ -160,3 +160,21 @@ def assert_same_generation(got, exp, logits_tol=TOL64) -> None:  # noqa: ANN001
         torch.testing.assert_close(lg, le, **logits_tol)
     for b, (rg, re) in enumerate(zip(got.routing, exp.routing, strict=True)):
         assert torch.equal(rg, re), b
+
+
+def served_and_reference(model: MoDTransformer, **engine_kw) -> tuple[list, list]:
+    """Four prompts of several lengths served together by an `Engine` (a chunked prefill, rows
+    that join and leave; greedy), and each prompt's no-cache reference alone."""
+    from mixture_of_depths.generate import generate_reference
+    from mixture_of_depths.serve.engine import Engine
+    from mixture_of_depths.serve.types import SamplingParams
+
+    prompts, new = make_prompts((5, 17, 3, 9), seed=2), (6, 4, 7, 5)
+    engine = Engine(model, None, max_rows=3, page_size=4, prefill_chunk=8, **engine_kw)
+    greedy = dict(temperature=0.0, stop_at_eos=False)
+    pairs = list(zip(prompts, new, strict=True))
+    reqs = [engine.submit(p, SamplingParams(max_tokens=n, **greedy)) for p, n in pairs]
+    while engine.step():
+        pass
+    want = [generate_reference(model, [p], n).tokens[0] for p, n in pairs]
+    return [r.result(0)[0] for r in reqs], want

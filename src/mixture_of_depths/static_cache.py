@@ -24,7 +24,7 @@ on the host).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -131,11 +131,14 @@ class StaticKVCache(nn.Module):
 
 
 class StaticDecoder(nn.Module):
-    """One decode step over a `StaticKVCache`: ``decoder(tokens_N)`` -> logits (N, vocab), the
-    cache updated in place. Fixed shapes, no host sync: compile it, e.g.
+    """One decode step over a static cache (a `StaticKVCache`, or the server's paged cache as
+    its static step sees it, `serve.paged.PagedStatic`): ``decoder(tokens_N)`` -> logits
+    (N, vocab) and the routing decisions (N, n_routers) on the device, the cache updated in
+    place. The model's own layer loop (`run_blocks`) with every routed (sub-)block under masks.
+    Fixed shapes, no host sync: capture it (`graph_step`), or compile it, e.g.
     ``torch.compile(decoder, mode="reduce-overhead", fullgraph=True)`` on a GPU."""
 
-    def __init__(self, model: MoDTransformer, cache: StaticKVCache) -> None:
+    def __init__(self, model: MoDTransformer, cache: nn.Module) -> None:
         super().__init__()
         self.model, self.cache = model, cache
         cfg = model.config  # the model's rotary tables, held for a captured step to index
@@ -149,14 +152,59 @@ class StaticDecoder(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, tokens_N: Tensor) -> Tensor:
+    def forward(self, tokens_N: Tensor) -> tuple[Tensor, Tensor]:
         model, cache = self.model, self.cache
         x = model.embed(tokens_N[:, None])
-        cos, sin = self.cos[cache.pos][:, None, None], self.sin[cache.pos][:, None, None]
+        pos = cache.positions()
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
         p = Pass("causal", cos, sin, cache, decode=True, static=True)
-        x, _, _ = model.run_blocks(x, p)
-        cache.pos += 1
-        return model.lm_head(model.norm(x))[:, 0]
+        x, routes, _ = model.run_blocks(x, p)
+        cache.advance(1)
+        masks = [r.mask[:, 0] for r in routes]
+        routing = torch.stack(masks, -1) if masks else x.new_zeros(len(x), 0, dtype=torch.bool)
+        return model.lm_head(model.norm(x))[:, 0], routing
+
+
+def graph_step(
+    decoder: nn.Module, tokens_N: Tensor
+) -> tuple[torch.cuda.CUDAGraph, Tensor, tuple[Tensor, Tensor]]:
+    """`decoder` (a `StaticDecoder`, on a CUDA device) captured as one CUDA graph, no compiler:
+    two warm-up steps on a side stream (allocations, lazy init; they run, and change the cache
+    as a step does), then the capture with a copy of `tokens_N` as its static input.
+    ``graph.replay()`` runs the step on what that input holds, into the static outputs."""
+    static_in = tokens_N.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            decoder(static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_out = decoder(static_in)
+    return graph, static_in, static_out
+
+
+def static_step(
+    model: MoDTransformer, cache: nn.Module
+) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """The decode step over a new static `cache` as a caller runs it: on CUDA a
+    `StaticDecoder` captured now as one CUDA graph (`graph_step`: its warm-ups decode no slot
+    of a new cache, whose positions each step sets) and replayed on each call's tokens, where
+    the model is capturable (expert layers read their bounds on the host); else the decoder,
+    eager."""
+    decoder = StaticDecoder(model, cache)
+    if cache.device.type != "cuda" or model.config.has_experts:
+        return torch.no_grad()(decoder)
+    idle = torch.zeros(len(cache.positions()), dtype=torch.long, device=cache.device)
+    graph, static_in, static_out = graph_step(decoder, idle)
+
+    def replay(tokens_N: Tensor) -> tuple[Tensor, Tensor]:
+        static_in.copy_(tokens_N)
+        graph.replay()
+        return static_out
+
+    return replay
 
 
 @torch.no_grad()
@@ -186,7 +234,7 @@ def static_generate(
         logits, _ = prefill(model, idx, lens, decoder.cache)
         out = [logits.argmax(-1)]
         for _ in range(max_new_tokens - 1):
-            out.append(step(out[-1]).argmax(-1))
+            out.append(step(out[-1])[0].argmax(-1))
     finally:
         model.train(was_training)
     if bool(decoder.cache.overflow.any()):  # the one read of the flags, at the end

@@ -7,22 +7,26 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import CUDA_ONLY, MODES, moved, on_cuda
-from generate_helpers import make_model, make_prompts
+from generate_helpers import make_model, make_prompts, served_and_reference
 from helpers import make_model as make_tiny
 from helpers import random_tokens, tiny_config
 from syncs import SyncCounter
 
 from mixture_of_depths import generate
 from mixture_of_depths.generate import generate_reference
+from mixture_of_depths.serve.engine import Engine
+from mixture_of_depths.serve.paged import PagedKVCache
 from mixture_of_depths.static_cache import StaticDecoder, StaticKVCache, static_generate
 
 F64 = torch.float64
+MOR = dict(layer_pattern="D", recursions=3, recursion_capacities=(0.5, 0.3))
 GEN_MODES = ["joint-aux", "joint-pred", "stag-aux", "stag-pred", "mlp-pred", "mlp-kv-pred",
              "residual"]  # fmt: skip
 
 
 def _model(mode: str, device: str, seed: int = 0):  # noqa: ANN202
-    return moved(make_model(seed=seed, dtype=F64, **MODES[mode]), device, F64)
+    over = MOR if mode == "mor" else MODES[mode]
+    return moved(make_model(seed=seed, dtype=F64, **over), device, F64)
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY)
@@ -57,6 +61,19 @@ def test_static_decode_equals_the_kv_cache_decode(device, mode):
     assert static_generate(model, make_prompts(), 12, headroom=4.0) == want
 
 
+@pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("mode", ["joint-pred", "mlp-kv-pred", "residual", "mor"])
+def test_the_server_steps_through_the_static_decode_step_on_cuda(device, mode):
+    """On CUDA the engine decodes through the static step by default, captured as one CUDA
+    graph (static_cache.static_step); its greedy completions equal the no-cache reference's.
+    MOD_TEST_CUDA_ON_CPU runs the same path, eager, on the CPU."""
+    model = _model(mode, device)
+    assert Engine(model, None, max_rows=2, device=device).static == on_cuda(device)
+    static = None if on_cuda(device) else True  # None: the engine's default
+    got, want = served_and_reference(model, device=device, static_decode=static)
+    assert got == want
+
+
 def test_a_static_layer_that_overflows_is_an_error_not_a_wrong_token(device):
     """At take-rate 0.5 a routed layer fills more than its 16 static slots in 40 steps: the run
     says so (a prefill that does not fit is refused before any step)."""
@@ -67,16 +84,24 @@ def test_a_static_layer_that_overflows_is_an_error_not_a_wrong_token(device):
         static_generate(model, [list(range(50))], 2, headroom=0.1)
 
 
-@pytest.mark.parametrize("mode", ["stag-pred", "mlp-kv-pred"])
-def test_static_decode_step_reads_nothing_on_the_host(device, mode):
-    """No sync in a static decode step (the eager one reads each routed decision)."""
+@pytest.mark.parametrize("paged", [False, True], ids=["static-cache", "paged"])
+@pytest.mark.parametrize("mode", ["stag-pred", "mlp-kv-pred", "mor"])
+def test_static_decode_step_reads_nothing_on_the_host(device, mode, paged):
+    """No sync in a static decode step (the eager one reads each routed decision), over a
+    `StaticKVCache` or over the server's paged cache (its static view, two row slots)."""
     model = _model(mode, device)
-    cache = StaticKVCache(model.config, 2, 40, device, F64, headroom=4.0)
+    if paged:
+        pages = PagedKVCache(model.config, 64, 4, device, F64, static_rows=2)
+        for row in (5, 9):
+            pages.add_row(row)
+        cache = pages.static_step([5, 9], [0, 0])
+    else:
+        cache = StaticKVCache(model.config, 2, 40, device, F64, headroom=4.0)
     step = StaticDecoder(model, cache)
     toks = torch.tensor([3, 4], device=device)
     with torch.no_grad(), SyncCounter(model, cache, toks) as c:
         for _ in range(3):
-            toks = step(toks).argmax(-1)
+            toks = step(toks)[0].argmax(-1)
     assert c.total == 0, c.where
     if on_cuda(device):  # the real thing: any sync raises
         torch.cuda.set_sync_debug_mode("error")

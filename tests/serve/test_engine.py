@@ -146,14 +146,16 @@ def test_pages_follow_what_each_row_caches_at_every_step():
     _all_pages_back(engine)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["entries", "static-step"])
 @pytest.mark.parametrize("kind", ["predictor", "dense", "mor", "mor-share"])
-def test_preemption_under_a_tiny_pool_keeps_every_answer_exact(kind):
+def test_preemption_under_a_tiny_pool_keeps_every_answer_exact(kind, static):
     """A pool of one row at full context (16 pages of 4) for four rows: rows are preempted,
     requeued with their tokens as prompt, and recomputed; answers do not change (a seeded
-    sampled request's neither)."""
+    sampled request's neither). Decode steps as entries, or through the static step (pages
+    taken ahead for it in every layer, and those no token reached given back)."""
     model = serve_model(kind)
     ps, ns = prompts((10, 14, 6, 12, 9)), [22, 18, 25, 20, 16]
-    engine = _engine(model, max_rows=4, kv_pages=16)
+    engine = _engine(model, max_rows=4, kv_pages=16, static_decode=static)
     sampled = dict(max_tokens=24, temperature=0.9, top_k=30, top_p=0.95, seed=7)
     reqs = [
         engine.submit(p, SamplingParams(max_tokens=n, **GREEDY))

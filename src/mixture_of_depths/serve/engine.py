@@ -31,6 +31,7 @@ import torch
 
 from ..generate import decode_step, prefill, right_pad, router_names, sample_next
 from ..model import MoDTransformer
+from ..static_cache import static_step
 from .paged import PagedKVCache
 from .request import Request
 from .scheduler import Row, Scheduler
@@ -59,6 +60,7 @@ class Engine:
         prefill_chunk: int = 256,
         batching: str = "continuous",
         device: str | torch.device = "cpu",
+        static_decode: bool | None = None,
     ) -> None:
         for name, value, lo in (
             ("max_rows", max_rows, 1),
@@ -79,7 +81,11 @@ class Engine:
         if kv_pages is None:  # max_rows rows at full context in every layer
             kv_pages = max_rows * math.ceil(cfg.max_seq_len / page_size)
         dtype = next(model.parameters()).dtype
-        self.cache = PagedKVCache(cfg, kv_pages, page_size, self.device, dtype)
+        # The static decode step (docs/serving.md): by default on CUDA, where a graph replays it
+        self.static = self.device.type == "cuda" if static_decode is None else static_decode
+        rows = max_rows if self.static else 0
+        self.cache = PagedKVCache(cfg, kv_pages, page_size, self.device, dtype, rows)
+        self.decoder = static_step(self.model, self.cache.static) if self.static else None
         self.max_rows, self.max_queue = max_rows, max_queue
         self.sched = Scheduler(self.cache, max_rows, prefill_chunk, batching)
         self.routers = router_names(model)
@@ -305,6 +311,9 @@ class Engine:
         new = [(row, t) for row, t in plan if row.fed == 0]
         rest = [(row, t) for row, t in plan if row.fed > 0]
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.static:  # one token per row: the static step; chunks: entries, as ever
+            self._static_forward([row for row, t in rest if t == 1], out)
+            rest = [(row, t) for row, t in rest if t > 1]
         if new:
             view = self.cache.prefill([row.id for row, _ in new])
             idx, lens = right_pad([row.request.tokens[:t] for row, t in new], self.device)
@@ -324,6 +333,22 @@ class Engine:
                 out[row.id] = logits[i + t - 1 : i + t], routing[i : i + t]
                 i += t
         return out
+
+    def _static_forward(self, rows: list[Row], out: dict) -> None:
+        """The rows' next tokens through the static decode step over the paged cache's row
+        slots (`PagedKVCache.static_step`), then their lengths read back."""
+        if not rows:
+            return
+        ids = [row.id for row in rows]
+        self.cache.static_step(ids, [row.fed for row in rows])
+        slots = [self.cache.slots[i] for i in ids]
+        tokens = torch.zeros(self.max_rows, dtype=torch.long)
+        tokens[slots] = torch.tensor([row.request.tokens[row.fed] for row in rows])
+        logits, routing = self.decoder(tokens.to(self.device))
+        self.cache.static_done(ids)
+        routing = routing.cpu()
+        for row, s in zip(rows, slots, strict=True):
+            out[row.id] = logits[s : s + 1], routing[s : s + 1]
 
     def _fail(self, row: Row, exc: Exception) -> None:
         """End one request with an error (its pages freed), the rest of the batch untouched."""

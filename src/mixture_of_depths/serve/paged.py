@@ -37,21 +37,30 @@ import os
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import MoDConfig
 
 
 class PagePool:
     """One layer's pages: keys and values (pages, page_size, n_kv_heads, head_dim), a free list
-    (lowest id first) and storage that grows as higher ids are handed out."""
+    (lowest id first) and storage that grows as higher ids are handed out (`full`: allocated
+    at once, with a trash page after the last, for a static step to write its skippers to)."""
 
     def __init__(
-        self, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int, dtype, device
+        self,
+        n_pages: int,
+        page_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        full: bool = False,
     ) -> None:
         self.n_pages, self.page_size = n_pages, page_size
         self._shape = (page_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(0, *self._shape, dtype=dtype, device=device)
+        size = n_pages + 1 if full else 0
+        self.k = torch.zeros(size, *self._shape, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self._free = list(range(n_pages))  # a heap: sorted is a valid heap
         self.in_use = 0
@@ -108,7 +117,9 @@ def device_memory(device: torch.device | str) -> int | None:
 
 class PagedKVCache:
     """Pages per layer for the rows of a serving engine. Rows are added and freed by id;
-    `step(rows, positions)` is one forward's view (the `Cache` protocol)."""
+    `step(rows, positions)` is one forward's view (the `Cache` protocol). With `static_rows`
+    the pools are allocated at once and `static_step` gives the view of a static decode step
+    over that many row slots (`PagedStatic`)."""
 
     def __init__(
         self,
@@ -117,6 +128,7 @@ class PagedKVCache:
         page_size: int = 16,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        static_rows: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -134,12 +146,16 @@ class PagedKVCache:
             )
         self.config, self.page_size, self.max_len = config, page_size, config.max_seq_len
         self.device, self.dtype = torch.device(device), dtype
+        shape = (page_size, config.n_kv_heads, config.head_dim, dtype, self.device)
         self.pools = [
-            PagePool(n_pages, page_size, config.n_kv_heads, config.head_dim, dtype, self.device)
+            PagePool(n_pages, *shape, full=static_rows > 0)
             for _ in range(config.n_kv_layers)  # one per application of a layer (MoR)
         ]
         self.tables: dict[int, list[list[int]]] = {}  # row -> per layer, its pages in order
         self.lengths: dict[int, list[int]] = {}  # row -> per layer, the tokens it holds
+        self.static = PagedStatic(self, static_rows) if static_rows else None
+        self.slots: dict[int, int] = {}  # row -> its slot in the static step's batch
+        self._free_slots = list(range(static_rows))  # a heap
 
     # -- rows -----------------------------------------------------------------------------------
     def add_row(self, row: int) -> None:
@@ -147,11 +163,17 @@ class PagedKVCache:
             raise ValueError(f"row {row} is already in the cache")
         self.tables[row] = [[] for _ in self.pools]
         self.lengths[row] = [0] * len(self.pools)
+        if self.static is not None:
+            if not self._free_slots:
+                raise RuntimeError(f"every one of the {self.static.rows} static row slots is taken")
+            self.slots[row] = heapq.heappop(self._free_slots)
 
     def free_row(self, row: int) -> None:
         """Return the row's pages to the pools (nothing if the row is not here)."""
         tables = self.tables.pop(row, None)
         self.lengths.pop(row, None)
+        if row in self.slots:
+            heapq.heappush(self._free_slots, self.slots.pop(row))
         for pool, pages in zip(self.pools, tables or (), strict=False):
             pool.release(pages)
 
@@ -214,6 +236,41 @@ class PagedKVCache:
         """The view of one prefill forward of the empty `rows`' right-padded prompts."""
         return PagedPrefill(self, list(rows))
 
+    def static_step(self, rows: Sequence[int], positions: Sequence[int]) -> PagedStatic:
+        """The static view of a decode step of `rows`, one token each at `positions`: their
+        page tables, lengths and positions put on the device, every other slot inactive, and a
+        page taken in each layer where a row's next token would start one (the scheduler's
+        worst case: the token may take every layer). `static_done` follows the step."""
+        store, ps = self.static, self.page_size
+        n_layers, R, P = store.table.shape
+        table = torch.full((n_layers, R, P), store.trash, dtype=torch.long)
+        lens = torch.zeros(n_layers, R, dtype=torch.long)
+        pos = torch.zeros(R, dtype=torch.long)
+        active = torch.zeros(R, dtype=torch.bool)
+        for row, at in zip(rows, positions, strict=True):
+            s = self.slots[row]
+            pos[s], active[s] = at, True
+            for layer, (pool, pages) in enumerate(zip(self.pools, self.tables[row], strict=True)):
+                n = self.lengths[row][layer]
+                if n % ps == 0:
+                    pages.append(pool.allocate())
+                lens[layer, s] = n
+                table[layer, s, : len(pages)] = torch.tensor(pages)
+        for name, value in (("table", table), ("lens", lens), ("pos", pos), ("active", active)):
+            getattr(store, name).copy_(value)
+        return store
+
+    def static_done(self, rows: Sequence[int]) -> None:
+        """After a static step of `rows`: each layer's lengths read back (one host read) and
+        the pages taken ahead that no token reached returned."""
+        lens, ps = self.static.lens.cpu(), self.page_size
+        for row in rows:
+            for layer, (pool, pages) in enumerate(zip(self.pools, self.tables[row], strict=True)):
+                n = int(lens[layer, self.slots[row]])
+                self.lengths[row][layer] = n
+                pool.release(pages[-(-n // ps) :])
+                del pages[-(-n // ps) :]
+
     def _append(self, layer: int, rows: list[int]) -> list[tuple[int, int, int]]:
         """One slot per entry row, in order (a fresh page where a slot starts one): the
         (page, offset, slot) of each."""
@@ -247,6 +304,68 @@ class PagedKVCache:
         K = pool.k[idx].view(R, P * ps, *pool.k.shape[2:])[:, :S].transpose(1, 2)
         V = pool.v[idx].view(R, P * ps, *pool.v.shape[2:])[:, :S].transpose(1, 2)
         return K, V
+
+
+class PagedStatic(nn.Module):
+    """The paged cache as a static decode step sees it (`static_cache.StaticDecoder`): a fixed
+    batch of row slots over the same pools, the slots' page tables (unused entries: the trash
+    page), lengths and positions, and which slots decode, all on the device. A step reads
+    nothing on the host and keeps its shapes, so a CUDA graph replays it; a row that skips a
+    layer, or a slot not decoding, writes its key and value to the trash page. The tensors are
+    buffers, updated in place (`PagedKVCache.static_step` before a step, the step itself)."""
+
+    static = True
+
+    def __init__(self, cache: PagedKVCache, rows: int) -> None:
+        super().__init__()
+        self.rows, self.page_size = rows, cache.page_size
+        self.max_len, self.device, self.dtype = cache.max_len, cache.device, cache.dtype
+        self.trash = cache.pools[0].n_pages
+        for layer, pool in enumerate(cache.pools):
+            self.register_buffer(f"k{layer}", pool.k, persistent=False)
+            self.register_buffer(f"v{layer}", pool.v, persistent=False)
+        long = dict(dtype=torch.long, device=self.device)
+        P = math.ceil(cache.max_len / cache.page_size)
+        n_layers = len(cache.pools)
+        self.register_buffer("table", torch.full((n_layers, rows, P), self.trash, **long), False)
+        self.register_buffer("lens", torch.zeros(n_layers, rows, **long), False)
+        self.register_buffer("pos", torch.zeros(rows, **long), False)
+        self.register_buffer(
+            "active", torch.zeros(rows, dtype=torch.bool, device=self.device), False
+        )
+
+    def positions(self) -> Tensor:
+        return self.pos
+
+    def advance(self, counts: Tensor | int) -> None:
+        self.pos += counts
+
+    def append(self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None) -> None:
+        """Each decoding slot's key and value (N, n_kv_heads, 1, head_dim) at its length (with
+        `take_N`, only the takers'; the others' to the trash page)."""
+        take = self.active if take_N is None else take_N & self.active
+        lens, ps = self.lens[layer], self.page_size
+        page = self.table[layer].gather(1, (lens // ps)[:, None])[:, 0]
+        page, off = torch.where(take, page, self.trash), lens % ps
+        getattr(self, f"k{layer}")[page, off] = k[:, :, 0].to(self.dtype)
+        getattr(self, f"v{layer}")[page, off] = v[:, :, 0].to(self.dtype)
+        lens += take
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Every slot's pages of `layer`: keys, values (N, n_kv_heads, S, head_dim), S the
+        pages of a row at full context, and the mask of its filled slots."""
+        table = self.table[layer]
+        R, P = table.shape
+        K, V = getattr(self, f"k{layer}")[table], getattr(self, f"v{layer}")[table]
+        K, V = (t.view(R, P * self.page_size, *t.shape[3:]).transpose(1, 2) for t in (K, V))
+        valid = torch.arange(K.shape[2], device=self.device) < self.lens[layer][:, None]
+        return K, V, valid[:, None, None, :]
+
+    def append_and_read(
+        self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        self.append(layer, k, v, take_N)
+        return self.read(layer)
 
 
 class _Step:
