@@ -76,8 +76,11 @@ def recall_probe(model: Any, val: Tensor, distance: int, seed: int = SEED) -> di
         raise ValueError(f"distance {distance} leaves no room for the recall in {length} places")
     g = torch.Generator().manual_seed(seed + 7 * distance)
     idx = windows(val, ROWS, length, seed + 7 * distance + 1).clone()
-    key, value, other = (torch.randint(0, cfg.vocab_size, (ROWS,), generator=g) for _ in range(3))
-    other = torch.where(other == value, (other + 1) % cfg.vocab_size, other)
+    # keys and values drawn from the text's own tokens (never a token it never holds, such as
+    # a special one), the control's value another such token
+    pick = torch.randint(0, len(val), (3, ROWS), generator=g)
+    key, value, other = val[pick[0]], val[pick[1]], val[pick[2]]
+    other = torch.where(other == value, val[(pick[2] + 1) % len(val)], other)
     idx[:, k_at], idx[:, k_at + 1] = key, value
     idx[:, q_at], idx[:, q_at + 1] = key, value
     control = idx.clone()

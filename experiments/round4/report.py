@@ -51,7 +51,16 @@ def optimum(rows: list[dict[str, Any]], family: str, size: str) -> tuple[p.Arm, 
     rates = rate_grid(rows, family, size)
     if not rates:
         return None
-    grid = [(rate_name(a), p.seeds_of(rows, a)) for a in rates]
+    # One point per learning rate (its best warm-up), so that a longer warm-up at the top rate
+    # is still the top of the grid: the edge is a matter of the rate, not of the warm-up.
+    by_lr: dict[float, list[p.Arm]] = {}
+    for a in rates:
+        by_lr.setdefault(a.lr, []).append(a)
+    points = {}
+    for lr, arms in by_lr.items():
+        warm, _ = best_of([(rate_name(a), p.seeds_of(rows, a)) for a in arms], "warm-up")
+        points[lr] = next(a for a in arms if rate_name(a) == warm)
+    grid = [(rate_name(a), p.seeds_of(rows, a)) for _, a in sorted(points.items())]
     best_rate, open_rate = best_of(grid, "rate", RATE_ENDS)
     at_rate = next(a for a in rates if rate_name(a) == best_rate)
     sizes = size_grid(rows, at_rate)

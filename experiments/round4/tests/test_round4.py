@@ -111,3 +111,14 @@ def test_the_report_words_every_verdict_through_the_module_and_rewrites_byte_for
     assert found["dense"]["unbracketed"] is None and found["dense"]["edge"] == (
         "one size tried (XS)"
     )
+
+
+def test_the_top_rate_is_an_edge_whatever_its_warm_up():
+    """A longer warm-up at the highest rate is not a higher rate: where plain 4e-3 is best among
+    MLP-only's rates, its rate is still the highest tried (not bracketed)."""
+    rows = [row(p.Arm("mlp", "S", 3e-3), s, 2.60) for s in (0, 1)]
+    rows += [row(p.Arm("mlp", "S", 4e-3), s, 2.30) for s in (0, 1)]
+    rows += [row(p.Arm("mlp", "S", 4e-3, 0.1), s, 2.50) for s in (0, 1)]
+    best, arm = rpt.optimum(rows, "mlp", "S")
+    assert best == p.Arm("mlp", "S", 4e-3)
+    assert arm.unbracketed is not None and "highest tried" in arm.unbracketed
