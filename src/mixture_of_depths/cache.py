@@ -6,8 +6,9 @@ tokens that took each layer (every token, in layers with ``skipped_kv="residual"
 block that runs attention hands its new keys and values to the cache through `kv_hook`. On a
 prefill (the cache holds nothing yet) the cache stores the new tokens that took the layer
 (`write_prefill`) and the prompt attends within itself, exactly as the full forward does; on a
-decode step (one new token per row) it appends the token's key and value and returns all that the
-layer holds for those rows (`append_and_read`). docs/semantics.md says what a layer stores and why.
+decode step (one new token per row) it appends the token's key and value (`append`) and reads
+all that the layer holds for those rows (`read`). docs/semantics.md says what a layer stores
+and why.
 
 Layout of `KVCache`: for layer l, ``k[l]`` and ``v[l]`` are (B, n_kv_heads, S_l, head_dim) and
 ``lengths[l, b]`` says how many slots of row b are filled. Slots are filled left to right with no
@@ -62,16 +63,9 @@ class Cache(Protocol):
         `take_BT` set (all when None) in the empty `layer`."""
         ...
 
-    def append_and_read(
-        self, layer: int, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Append one key/value per row (n, n_kv_heads, 1, head_dim); return the keys, values and
-        validity mask of everything `layer` holds for these rows."""
-        ...
-
     def append(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Append one key/value per row, reading nothing (a row that skips a
-        ``skipped_kv="residual"`` layer still stores its key and value)."""
+        """Append one key/value per row (n, n_kv_heads, 1, head_dim): a decode step's new
+        token (a static cache takes ``take_N=``, the rows whose token takes the layer)."""
         ...
 
     def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -114,9 +108,16 @@ def packed(k: Tensor, v: Tensor, take_BT: Tensor | None) -> tuple[Tensor, Tensor
 def kv_hook(cache: Cache, layer: int, take_BT: Tensor | None, decode: bool) -> KVHook:
     """The attention's hook into `cache` for one layer. On a prefill the prompt's takers are
     stored and the prompt attends within itself, exactly as the full forward does; on a decode
-    step the new token is appended and attends to all that the layer holds for its row."""
+    step the new token is appended (on a static cache, where `take_BT` (N,) is given, only the
+    takers') and attends to all that the layer holds for its row."""
     if decode:
-        return lambda k, v, mask: cache.append_and_read(layer, k, v)
+        takes = {} if take_BT is None else {"take_N": take_BT}
+
+        def step(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+            cache.append(layer, k, v, **takes)
+            return cache.read(layer)
+
+        return step
 
     def store(k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         cache.write_prefill(layer, k, v, take_BT)
@@ -268,13 +269,6 @@ class KVCache:
         dev_rows = rows.to(self.device)
         return K[dev_rows, :, :S], V[dev_rows, :, :S], valid[:, None, None, :]
 
-    def append_and_read(
-        self, layer: int, k: Tensor, v: Tensor, rows: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """`append` then `read`: a decode step's new token, then all its row holds."""
-        self.append(layer, k, v, rows)
-        return self.read(layer, rows)
-
 
 class CacheRows:
     """Some rows of a `KVCache` (sorted host indices), with the same protocol: the rows still
@@ -293,11 +287,6 @@ class CacheRows:
 
     def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
         raise ValueError("a prefill fills every row of the cache: run the whole batch")
-
-    def append_and_read(
-        self, layer: int, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        return self.cache.append_and_read(layer, k, v, self.rows)
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> None:
         self.cache.append(layer, k, v, self.rows)

@@ -176,20 +176,42 @@ def place_folder(tmp: Path, final: Path) -> None:
     ours = old.is_dir() and not old.is_symlink() and (old / OLD_MARK).exists()
     if final.exists():
         if ours:  # `final` is whole, so the copy a crash left may go
-            shutil.rmtree(old)
+            _discard(old, final)
         elif old.exists() or old.is_symlink():
             raise FileExistsError(
                 f"{old} is in the way of replacing {final}: it is not a previous copy that mod "
                 "moved aside, so it is left alone; move it elsewhere"
             )
-        (final / OLD_MARK).touch()
+        _mark(final, old)
         os.replace(final, old)
         ours = True
     # (If only our `old` exists, a crash hit between the renames: it stays until `tmp` is placed.)
     os.replace(tmp, final)
     fsync_dir(final.parent)
     if ours:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old, final)
+
+
+def _mark(final: Path, old: Path) -> None:
+    """Mark `final` as ours before it is moved aside as `old`: a file inside it, so the folder
+    must be writable (a clear error naming it where it is not, not one naming the mark)."""
+    try:
+        (final / OLD_MARK).touch()
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot replace {final}: {final} is read-only: mod marks the previous copy (a file "
+            f"{OLD_MARK} inside it) before moving it aside as {old.name}, which needs write "
+            f"permission on the folder (chmod u+w {final}), or save elsewhere"
+        ) from exc
+
+
+def _discard(old: Path, final: Path) -> None:
+    """Delete our moved-aside copy `old`, renamed first to a temporary name of `final`'s (which
+    `staging` removes): `rmtree` goes in directory order, so a kill mid-way could otherwise
+    leave `.NAME.old` without its mark, which every later save would take for the user's."""
+    doomed = Path(tempfile.mkdtemp(dir=old.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    os.replace(old, doomed)  # over the empty folder mkdtemp made: one atomic rename
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def check_out_folder(out: Path, flag: str = "--out") -> None:

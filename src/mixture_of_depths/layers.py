@@ -62,27 +62,21 @@ def rope_tables(
     float64 rotations. Every path indexes them by its tokens' positions (`blocks.Pass`). The
     signed, doubled layout makes `apply_rope` four ops.
     """
-    device = torch.device(device or "cpu")
-    if torch.compiler.is_compiling():  # traced into the graph, as any op (no cache lookup)
-        return _rope_tables(head_dim, seq_len, theta, device, dtype)
-    return _rope_cached(head_dim, seq_len, theta, device, dtype)
+    build = _rope_tables.__wrapped__ if torch.compiler.is_compiling() else _rope_tables
+    return build(head_dim, seq_len, theta, torch.device(device or "cpu"), dtype)  # traced: no cache
 
 
+@functools.lru_cache(maxsize=32)
 def _rope_tables(
     head_dim: int, seq_len: int, theta: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     # Plain tensors even under inference_mode: a later training forward may save them.
     with torch.inference_mode(False), torch.no_grad():
-        inv_freq = 1.0 / theta ** (
-            torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
-        )
+        i = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
         pos = torch.arange(seq_len, dtype=torch.float64, device=device)
-        angles = torch.outer(pos, inv_freq)
+        angles = torch.outer(pos, 1.0 / theta ** (i / head_dim))
         cos, sin = angles.cos(), angles.sin()
         return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
-
-
-_rope_cached = functools.lru_cache(maxsize=32)(_rope_tables)
 
 
 def apply_rope(x_BHKd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

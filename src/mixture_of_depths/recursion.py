@@ -26,6 +26,8 @@ Names with shape suffixes: B batch, T tokens, K routed subset, D width, N decode
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -157,7 +159,7 @@ class Recursion(nn.Module):
         expert choice's nested top-k or causal decision, token choice's exact one) and run the
         shared layers on them, each leaving as ``x + g * (stack(x) - x)``."""
         logits, g_BT, pred_BT, decide_BT, thr = self.decide(r, x_BTD, depth)
-        k_of = lambda n: self.cfg.recursion_tokens(r, n)  # noqa: E731
+        k_of = partial(self.cfg.recursion_tokens, r)
         s, take, target = choose(p, logits, decide_BT, thr, k_of, prior, depth is not None)
         topo, share = self.cfg.topology, self.cfg.recursion_kv == "share"
 

@@ -105,7 +105,7 @@ class Selection:
         elif mode == "rows":
             sel = take.view(-1).nonzero().view(-1)
             m, n = len(sel), len(take)
-            self.sel, self.empty = sel, m == 0
+            self.sel, self.empty, self.whole = sel, m == 0, m == n
             self.pick: slice | Tensor = slice(None)  # every row: no gather, no scatter
             if 0 < m < n:  # one row, the common case at low capacity: a slice, not a gather
                 one = slice(int(sel[0]), int(sel[0]) + 1)
@@ -129,9 +129,7 @@ class Selection:
             D = x.shape[-1]
             return x.reshape(-1, D).index_copy(0, self.rows, y.reshape(-1, D)).view(x.shape)
         if self.mode == "rows":
-            if isinstance(self.pick, slice) and self.pick == slice(None):
-                return y
-            return x.index_copy(0, self.sel.to(x.device), y)
+            return y if self.whole else x.index_copy(0, self.sel.to(x.device), y)
         return torch.where(self.take.unsqueeze(-1), y, x)
 
     def run(
@@ -151,8 +149,7 @@ class Selection:
     def view(self) -> Cache:
         """The cache seen through the taking rows ("rows")."""
         if self._view is None:
-            whole = isinstance(self.pick, slice) and self.pick == slice(None)
-            self._view = self.p.cache if whole else self.p.cache.subset(self.sel)
+            self._view = self.p.cache if self.whole else self.p.cache.subset(self.sel)
         return self._view
 
     def own(self, layer: int) -> tuple[KVHook | None, Tensor | None]:
@@ -171,17 +168,19 @@ class Selection:
             return kv_hook(p.cache, layer, None, False), None
         if self.mode == "rows":
             return kv_hook(self.view, layer, None, True), None
-        take_N = self.take[:, 0]  # "device": a skipper's key and value go to the trash slot
-        return (lambda k, v, mask: p.cache.append_and_read(layer, k, v, take_N)), None
+        # "device": a skipper's key and value go to the trash slot
+        return kv_hook(p.cache, layer, self.take[:, 0], True), None
 
     def given(self, layer: int, kv: tuple[Tensor, Tensor] | None) -> LayerKV:
         """Keys every token has, read by the selected queries: `kv` (B, n_kv_heads, T, d) in a
         forward (a chosen token sees those at or before its position), or what cache layer
         `layer` holds when decoding."""
-        if self.mode == "topk":
-            T = self.p.cos.shape[0]
-            seen = torch.arange(T, device=self.idx.device) <= self.idx[:, :, None]
-            return LayerKV(*kv, seen.unsqueeze(1))
+        if self.mode == "topk":  # (B, 1, K, T), made once for every layer that reads it
+            if self._mask is None:
+                T = self.p.cos.shape[0]
+                seen = torch.arange(T, device=self.idx.device) <= self.idx[:, :, None]
+                self._mask = seen.unsqueeze(1)
+            return LayerKV(*kv, self._mask)
         if self.mode == "masked":  # every token is a query: plain causal
             return LayerKV(*kv, None)
         return LayerKV(*(self.view if self.mode == "rows" else self.p.cache).read(layer))

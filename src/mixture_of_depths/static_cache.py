@@ -38,12 +38,38 @@ from .model import MoDTransformer
 from .precision import at_least_float32
 
 
-class StaticKVCache(nn.Module):
-    """Per-layer key/value buffers (B, n_kv_heads, S_l + 1, head_dim) whose last slot is the
-    trash slot; ``lengths`` (layers, B) and ``pos`` (B,) on the device. Its tensors are
-    buffers so that a captured step may update them in place."""
+class StaticCache(nn.Module):
+    """What a static cache is (a `StaticKVCache`, the server's `serve.paged.PagedStatic`):
+    buffers ``k{layer}`` and ``v{layer}``, ``lengths`` (layers, rows), ``pos`` and ``active``
+    (rows,) on the device, updated in place so that a captured step may; a decode step runs
+    every row under masks (selection.py, "device"), a skipper's key and value (or an inactive
+    row's) going to a trash place no query reads (`place`)."""
 
-    static = True  # a decode step runs every row under masks (selection.py, "device")
+    static = True
+
+    def positions(self) -> Tensor:
+        return self.pos
+
+    def advance(self, counts: Tensor | int) -> None:
+        self.pos += counts.to(self.device) if isinstance(counts, Tensor) else counts
+
+    def place(self, layer: int, take_N: Tensor) -> tuple:
+        """Where each row's new key and value go in ``k{layer}``: its next slot, or trash."""
+        raise NotImplementedError
+
+    def append(self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None) -> None:
+        """Each active row's new key and value (N, n_kv_heads, 1, head_dim) at its length;
+        with `take_N` (N,) bool only the takers', the others' to the trash."""
+        take = self.active if take_N is None else take_N & self.active
+        where = self.place(layer, take)
+        getattr(self, f"k{layer}")[where] = k[:, :, 0].to(self.dtype)
+        getattr(self, f"v{layer}")[where] = v[:, :, 0].to(self.dtype)
+        self.lengths[layer] += take
+
+
+class StaticKVCache(StaticCache):
+    """Per-layer key/value buffers (B, n_kv_heads, S_l + 1, head_dim) whose last slot is the
+    trash slot, every row active; the model's prefill writes them (`write_prefill`)."""
 
     def __init__(
         self,
@@ -75,13 +101,7 @@ class StaticKVCache(nn.Module):
         self.register_buffer("pos", torch.zeros(batch_size, **long))
         self.register_buffer("overflow", torch.zeros(n, dtype=torch.bool, device=self.device))
         self.register_buffer("rows", torch.arange(batch_size, **long))
-
-    # -- the prefill (the model's forward, eager) -----------------------------------------------
-    def positions(self) -> Tensor:
-        return self.pos
-
-    def advance(self, counts: Tensor | int) -> None:
-        self.pos += counts.to(self.device) if isinstance(counts, Tensor) else counts
+        self.register_buffer("active", torch.ones(batch_size, dtype=torch.bool, device=device))
 
     def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
         """A prefill's keys and values of the tokens with `take_BT` set (all when None),
@@ -98,23 +118,12 @@ class StaticKVCache(nn.Module):
         getattr(self, f"v{layer}")[:, :, :n] = v[:, :, :n].to(self.dtype)
         self.lengths[layer] = counts.to(self.device)
 
-    # -- the protocol a decode step uses (cache.Cache) ------------------------------------------
-    def append(self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None) -> None:
-        """Every row's new key and value (N, n_kv_heads, 1, head_dim) at its length; with
-        `take_N` (N,) bool, the others' to the trash slot."""
+    def place(self, layer: int, take_N: Tensor) -> tuple:
+        """A taker's next slot; a row past its slots sets the overflow flag (and writes to the
+        trash slot): the generation is then refused."""
         s, lens = self.slots[layer], self.lengths[layer]
-        if take_N is None:
-            slot = lens.clamp(max=s)
-            full = lens >= s
-            grow = torch.ones_like(lens)
-        else:
-            slot = torch.where(take_N, lens.clamp(max=s), s)
-            full = take_N & (lens >= s)
-            grow = take_N.long()
-        self.overflow[layer] |= full.any()
-        getattr(self, f"k{layer}")[self.rows, :, slot] = k[:, :, 0].to(self.dtype)
-        getattr(self, f"v{layer}")[self.rows, :, slot] = v[:, :, 0].to(self.dtype)
-        lens += grow
+        self.overflow[layer] |= (take_N & (lens >= s)).any()
+        return self.rows, slice(None), torch.where(take_N, lens.clamp(max=s), s)
 
     def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values (N, n_kv_heads, S_l, head_dim) and the mask of filled slots."""
@@ -122,12 +131,6 @@ class StaticKVCache(nn.Module):
         valid = torch.arange(s, device=self.device)[None, :] < self.lengths[layer][:, None]
         K, V = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
         return K[:, :, :s], V[:, :, :s], valid[:, None, None, :]
-
-    def append_and_read(
-        self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        self.append(layer, k, v, take_N)
-        return self.read(layer)
 
 
 class StaticDecoder(nn.Module):

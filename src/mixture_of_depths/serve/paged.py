@@ -37,9 +37,10 @@ import os
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..config import MoDConfig
+from ..static_cache import StaticCache
 
 
 class PagePool:
@@ -165,7 +166,9 @@ class PagedKVCache:
         self.lengths[row] = [0] * len(self.pools)
         if self.static is not None:
             if not self._free_slots:
-                raise RuntimeError(f"every one of the {self.static.rows} static row slots is taken")
+                raise RuntimeError(
+                    f"every one of the {self.static.n_rows} static row slots is taken"
+                )
             self.slots[row] = heapq.heappop(self._free_slots)
 
     def free_row(self, row: int) -> None:
@@ -242,11 +245,12 @@ class PagedKVCache:
         page taken in each layer where a row's next token would start one (the scheduler's
         worst case: the token may take every layer). `static_done` follows the step."""
         store, ps = self.static, self.page_size
-        n_layers, R, P = store.table.shape
-        table = torch.full((n_layers, R, P), store.trash, dtype=torch.long)
-        lens = torch.zeros(n_layers, R, dtype=torch.long)
-        pos = torch.zeros(R, dtype=torch.long)
-        active = torch.zeros(R, dtype=torch.bool)
+        table = torch.full(store.table.shape, store.trash, dtype=torch.long)
+        lens = torch.zeros(store.lengths.shape, dtype=torch.long)
+        pos, active = (
+            torch.zeros(store.n_rows, dtype=torch.long),
+            torch.zeros(store.n_rows, dtype=bool),
+        )
         for row, at in zip(rows, positions, strict=True):
             s = self.slots[row]
             pos[s], active[s] = at, True
@@ -256,14 +260,14 @@ class PagedKVCache:
                     pages.append(pool.allocate())
                 lens[layer, s] = n
                 table[layer, s, : len(pages)] = torch.tensor(pages)
-        for name, value in (("table", table), ("lens", lens), ("pos", pos), ("active", active)):
+        for name, value in (("table", table), ("lengths", lens), ("pos", pos), ("active", active)):
             getattr(store, name).copy_(value)
         return store
 
     def static_done(self, rows: Sequence[int]) -> None:
         """After a static step of `rows`: each layer's lengths read back (one host read) and
         the pages taken ahead that no token reached returned."""
-        lens, ps = self.static.lens.cpu(), self.page_size
+        lens, ps = self.static.lengths.cpu(), self.page_size
         for row in rows:
             for layer, (pool, pages) in enumerate(zip(self.pools, self.tables[row], strict=True)):
                 n = int(lens[layer, self.slots[row]])
@@ -306,66 +310,42 @@ class PagedKVCache:
         return K, V
 
 
-class PagedStatic(nn.Module):
+class PagedStatic(StaticCache):
     """The paged cache as a static decode step sees it (`static_cache.StaticDecoder`): a fixed
-    batch of row slots over the same pools, the slots' page tables (unused entries: the trash
-    page), lengths and positions, and which slots decode, all on the device. A step reads
-    nothing on the host and keeps its shapes, so a CUDA graph replays it; a row that skips a
-    layer, or a slot not decoding, writes its key and value to the trash page. The tensors are
-    buffers, updated in place (`PagedKVCache.static_step` before a step, the step itself)."""
-
-    static = True
+    batch of row slots over the same pools (as buffers), the slots' page tables (unused
+    entries: the trash page), lengths, positions and which slots decode, on the device, set by
+    `PagedKVCache.static_step` before each step."""
 
     def __init__(self, cache: PagedKVCache, rows: int) -> None:
         super().__init__()
-        self.rows, self.page_size = rows, cache.page_size
+        self.n_rows, self.page_size = rows, cache.page_size
         self.max_len, self.device, self.dtype = cache.max_len, cache.device, cache.dtype
         self.trash = cache.pools[0].n_pages
         for layer, pool in enumerate(cache.pools):
             self.register_buffer(f"k{layer}", pool.k, persistent=False)
             self.register_buffer(f"v{layer}", pool.v, persistent=False)
         long = dict(dtype=torch.long, device=self.device)
-        P = math.ceil(cache.max_len / cache.page_size)
-        n_layers = len(cache.pools)
-        self.register_buffer("table", torch.full((n_layers, rows, P), self.trash, **long), False)
-        self.register_buffer("lens", torch.zeros(n_layers, rows, **long), False)
+        shape = (len(cache.pools), rows, math.ceil(cache.max_len / cache.page_size))
+        self.register_buffer("table", torch.full(shape, self.trash, **long), False)
+        self.register_buffer("lengths", torch.zeros(shape[:2], **long), False)
         self.register_buffer("pos", torch.zeros(rows, **long), False)
-        self.register_buffer(
-            "active", torch.zeros(rows, dtype=torch.bool, device=self.device), False
-        )
+        self.register_buffer("active", torch.zeros(rows, dtype=torch.bool, device=cache.device))
 
-    def positions(self) -> Tensor:
-        return self.pos
-
-    def advance(self, counts: Tensor | int) -> None:
-        self.pos += counts
-
-    def append(self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None) -> None:
-        """Each decoding slot's key and value (N, n_kv_heads, 1, head_dim) at its length (with
-        `take_N`, only the takers'; the others' to the trash page)."""
-        take = self.active if take_N is None else take_N & self.active
-        lens, ps = self.lens[layer], self.page_size
+    def place(self, layer: int, take_N: Tensor) -> tuple:
+        """A taker's next slot: its page (taken ahead by `static_step`) and offset."""
+        lens, ps = self.lengths[layer], self.page_size
         page = self.table[layer].gather(1, (lens // ps)[:, None])[:, 0]
-        page, off = torch.where(take, page, self.trash), lens % ps
-        getattr(self, f"k{layer}")[page, off] = k[:, :, 0].to(self.dtype)
-        getattr(self, f"v{layer}")[page, off] = v[:, :, 0].to(self.dtype)
-        lens += take
+        return torch.where(take_N, page, self.trash), lens % ps
 
     def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Every slot's pages of `layer`: keys, values (N, n_kv_heads, S, head_dim), S the
-        pages of a row at full context, and the mask of its filled slots."""
+        """Every slot's pages of `layer` (as many as a row at full context): keys, values
+        (N, n_kv_heads, S, head_dim) and the mask of filled slots."""
         table = self.table[layer]
         R, P = table.shape
         K, V = getattr(self, f"k{layer}")[table], getattr(self, f"v{layer}")[table]
         K, V = (t.view(R, P * self.page_size, *t.shape[3:]).transpose(1, 2) for t in (K, V))
-        valid = torch.arange(K.shape[2], device=self.device) < self.lens[layer][:, None]
+        valid = torch.arange(K.shape[2], device=self.device) < self.lengths[layer][:, None]
         return K, V, valid[:, None, None, :]
-
-    def append_and_read(
-        self, layer: int, k: Tensor, v: Tensor, take_N: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        self.append(layer, k, v, take_N)
-        return self.read(layer)
 
 
 class _Step:
@@ -457,12 +437,6 @@ class PagedView:
         valid = torch.arange(S, device=K.device)[None, :] < lens[:, None]
         return K, V, valid[:, None, None, :]
 
-    def append_and_read(
-        self, layer: int, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        self.append(layer, k, v)
-        return self.read(layer)
-
     def write_prefill(self, layer: int, k: Tensor, v: Tensor, take_BT: Tensor | None) -> None:
         """A forward in which every entry is at position 0 runs as the model's prefill of
         one-token prompts: store the entries that take the layer (all when None)."""
@@ -524,4 +498,4 @@ class PagedPrefill:
     def _refuse(self, *args: object) -> None:
         raise RuntimeError("a paged prefill only writes its prompts (no decode-step calls)")
 
-    append_and_read = append = read = subset = _refuse
+    append = read = subset = _refuse
