@@ -7,7 +7,9 @@ could not write to before their work (`mod calibrate --out`)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +163,44 @@ def test_mod_calibrate_refuses_an_out_it_cannot_write_before_calibrating(
     before = _identity(empty)
     assert main(["calibrate", ck, "--out", str(empty)]) == 0
     assert _identity(empty) == before and (empty / "config.json").exists()
+
+
+def test_a_kill_while_the_old_copy_is_deleted_never_blocks_the_next_save(tmp_path, monkeypatch):
+    out = tmp_path / "ck"
+    _save(out)
+    import mixture_of_depths.fileio as fileio
+
+    real = fileio.shutil.rmtree
+
+    def killed_after_the_marker(path, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if (Path(path) / OLD_MARK).exists():  # rmtree goes in directory order: the mark first
+            (Path(path) / OLD_MARK).unlink()
+            raise KeyboardInterrupt
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(fileio.shutil, "rmtree", killed_after_the_marker)
+    with pytest.raises(KeyboardInterrupt):
+        _save(out, seed=1)
+    monkeypatch.undo()
+    second = _weights(out).clone()  # the new checkpoint is in place, whole
+    _save(out, seed=2)  # what the kill left is mod's own, not "in the way"
+    assert not torch.equal(_weights(out), second)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_replacing_a_read_only_checkpoint_folder_says_so(tmp_path, monkeypatch):
+    out = tmp_path / "ck"
+    _save(out)
+    real = Path.touch
+
+    def read_only(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.name == OLD_MARK:  # as a folder without write permission refuses (not as root)
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "touch", read_only)
+    says = rf"{re.escape(str(out))} is read-only: .* write permission"
+    with pytest.raises(PermissionError, match=says):
+        _save(out, seed=1)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and _weights(out) is not None
