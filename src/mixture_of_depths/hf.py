@@ -63,6 +63,7 @@ from .convert import (
 )
 from .data import EOT_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from .fileio import empty_folder, place_folder, plain_modes, staging
+from .generate import decode_step
 from .model import IGNORE_INDEX, MoDTransformer
 from .runtime.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 
@@ -320,12 +321,9 @@ class MoDForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"the cache holds {cache.kv.batch_size} rows, input_ids has {B}")
         steps = []
         for t in range(T):  # each new token a decode step: what it would see generated one by one
-            out = self.model(
-                input_ids[:, t : t + 1], routing="causal", cache=cache.kv, last_only=True
-            )
-            steps.append(out.logits)
+            steps.append(decode_step(self.model, input_ids[:, t], cache.kv)[0])
             cache.seen += 1
-        logits = torch.cat(steps, 1)
+        logits = torch.stack(steps, 1)
         return logits[:, -1:] if last else logits
 
 

@@ -1,22 +1,17 @@
-"""The one routing executor: which tokens take a routed (sub-)block or a recursion step
-(`choose`), and how they run (`Selection`), in the four selection modes of the paths
-(docs/semantics.md, "Routed blocks" and "The KV cache and generation"):
+"""The one routing executor (docs/semantics.md, "The KV cache and generation"): which tokens take
+a routed (sub-)block or a recursion step (`choose`), and how they run (`Selection`), in the four
+modes of the paths: ``"topk"`` (training: each row's k chosen tokens gathered in position order,
+run at their original positions, scattered back), ``"masked"`` (the causal forward, a prefill:
+every token computes, a taker attends only to earlier takers, `where` keeps the skippers),
+``"rows"`` (a decode step, decisions on the host: only the taking rows run, on a view of the
+cache narrowed to them) and ``"device"`` (a static decode step, no host read: every row runs
+under masks, a skipper's key and value go to the cache's trash).
 
-- ``"topk"`` (training's top-k forward): each row's k chosen tokens, gathered in position
-  order, run as a short sequence at their original positions and scattered back;
-- ``"masked"`` (the causal forward, a prefill): every token computes, a taker attends only to
-  the earlier takers, and the skippers keep their stream (`torch.where`);
-- ``"rows"`` (a decode step, the decisions on the host): only the taking rows run, on a view
-  of the cache narrowed to them;
-- ``"device"`` (a static decode step, no host read): every row runs under masks; a skipping
-  row's key and value go to the cache's trash slot.
-
-`RoutedBlock` and `Recursion` choose, then call `Selection.run` with only their update (a
-function of the selected tokens' stream and the selection, returning f) and their gate: each
-taker leaves as ``x + g * f``, every other token bit for bit as it came. The attention in an
-update asks the selection for its keys: `own` (the takers', stored in a cache layer) or `given`
-(every token's: a residual layer's, or the recursion's first pass's). The fused kernels
-(kernels/fused.py) run a top-k selection's rows and gates.
+`RoutedBlock` and `Recursion` choose, then call `Selection.run` with only their update (the
+selected tokens' f) and their gate: each taker leaves as ``x + g * f``, every other token bit
+for bit as it came. An update's attention asks the selection for its keys: `own` (the takers',
+in a cache layer) or `given` (every token's: a residual layer's, the recursion's first pass's).
+The fused kernels (kernels/fused.py) run a top-k selection's rows and gates.
 
 Names with shape suffixes: B batch, T tokens, K chosen per row, N decode rows, D width.
 """
@@ -92,7 +87,6 @@ class Selection:
         self.p, self.mode, self.take, self.idx = p, mode, take, idx_BK
         self.cos, self.sin = p.cos, p.sin
         self.empty = False  # known on the host to select nothing: nothing runs
-        self._view: Cache | None = None
         self._mask: Tensor | None = None
         if mode == "topk":
             B, T = idx_BK.shape[0], p.cos.shape[0]
@@ -107,6 +101,8 @@ class Selection:
             m, n = len(sel), len(take)
             self.sel, self.empty, self.whole = sel, m == 0, m == n
             self.pick: slice | Tensor = slice(None)  # every row: no gather, no scatter
+            # the cache seen through the taking rows
+            self.view: Cache | None = p.cache if m in (0, n) else p.cache.subset(sel)
             if 0 < m < n:  # one row, the common case at low capacity: a slice, not a gather
                 one = slice(int(sel[0]), int(sel[0]) + 1)
                 self.pick = one if m == 1 else sel.to(p.cos.device)
@@ -145,13 +141,6 @@ class Selection:
         return self.scatter(x, x_sub + g.unsqueeze(-1) * f)
 
     # -- what the selected tokens' attention reads ----------------------------------------------
-    @property
-    def view(self) -> Cache:
-        """The cache seen through the taking rows ("rows")."""
-        if self._view is None:
-            self._view = self.p.cache if self.whole else self.p.cache.subset(self.sel)
-        return self._view
-
     def own(self, layer: int) -> tuple[KVHook | None, Tensor | None]:
         """The takers' own keys in cache layer `layer`: the hook that stores them (decoding:
         and reads all the layer holds for the selected rows), and the mask among them."""

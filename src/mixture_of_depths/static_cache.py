@@ -1,25 +1,16 @@
-"""Decoding with fixed shapes, for a GPU: `StaticKVCache` (capacity-sized buffers allocated once,
-lengths and positions on the device) and `StaticDecoder`, a decode step with no host sync and no
-data-dependent shape, so that `torch.compile(mode="reduce-overhead")` can capture it in a CUDA
-graph (as gpt-fast does). `static_generate` drives it (greedy).
+"""Decoding with fixed shapes, for a GPU (docs/semantics.md, "Static decoding"; docs/bench.md,
+"Decode on a GPU"): `StaticCache`, what a static cache is; `StaticKVCache`, capacity-sized
+buffers allocated once (`cache.kv_slots`), lengths and positions on the device; `StaticDecoder`,
+a decode step with no host sync and no data-dependent shape over any static cache (this one, or
+the server's paged one), captured as one CUDA graph by `graph_step` (or compiled with
+``torch.compile(mode="reduce-overhead")``, as gpt-fast does); `static_generate` drives it.
 
-The eager decode step (`generate.decode_step`) runs a routed block only on the rows whose token
-takes it, which needs the decision on the host (a sync per routed sub-block) and gives shapes
-that change every step. Here every row computes every routed block and masks decide, exactly:
-a row that takes the block gets ``x + g(r) * f`` and appends its key and value at its own
-length; a row that skips keeps x bit for bit and writes its key and value to a trash slot that
-no query ever reads. So the step is the eager one's arithmetic on more rows, and its tokens are
-the eager ones (`tests/cuda/test_cuda_generate.py`, greedy in float64). The price is the
-routed blocks' compute on the skipping rows: little at batch 64, where nearly every routed
-layer has a taker anyway (1 - (1 - c)^B), the whole saving at batch 1 (docs/bench.md, GPU).
-
-A KV layer holds the slots `KVCache` starts it at (`cache.kv_slots`: every position where it
-holds every token, else ``headroom`` times its share at capacity, at least 16); causal routing
-may take more. A row that would write past them sets an overflow flag on the device instead,
-and `static_generate` raises once at the end (one read): the tokens are then not trusted. The
-prefill is the model's own, eager, into this cache (`generate.prefill`); a prefill that does
-not fit is refused. Expert layers decode but are not capturable (their slices' bounds are read
-on the host).
+Every row computes every routed block and masks decide, exactly (selection.py, "device"): the
+eager step's arithmetic on more rows, so its tokens are the eager ones. The price is the routed
+blocks' compute on the skipping rows: little at batch 64, where nearly every routed layer has a
+taker anyway (1 - (1 - c)^B), the whole saving at batch 1. A row that outgrows its slots sets an
+overflow flag and `static_generate` raises once at the end (one read). Expert layers decode but
+are not capturable (their slices' bounds are read on the host).
 """
 
 from __future__ import annotations
@@ -145,15 +136,10 @@ class StaticDecoder(nn.Module):
         super().__init__()
         self.model, self.cache = model, cache
         cfg = model.config  # the model's rotary tables, held for a captured step to index
-        cos, sin = rope_tables(
-            cfg.head_dim,
-            cfg.max_seq_len,
-            cfg.rope_theta,
-            cache.device,
-            at_least_float32(cache.dtype),
+        dtype = at_least_float32(cache.dtype)
+        self.cos, self.sin = rope_tables(
+            cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cache.device, dtype
         )
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, tokens_N: Tensor) -> tuple[Tensor, Tensor]:
         model, cache = self.model, self.cache

@@ -94,7 +94,8 @@ def test_static_decode_step_reads_nothing_on_the_host(device, mode, paged):
         pages = PagedKVCache(model.config, 64, 4, device, F64, static_rows=2)
         for row in (5, 9):
             pages.add_row(row)
-        cache = pages.static_step([5, 9], [0, 0])
+        pages.static_step([5, 9], [0, 0], [3, 4])
+        cache = pages.static
     else:
         cache = StaticKVCache(model.config, 2, 40, device, F64, headroom=4.0)
     step = StaticDecoder(model, cache)

@@ -339,15 +339,13 @@ class Engine:
         slots (`PagedKVCache.static_step`), then their lengths read back."""
         if not rows:
             return
-        ids = [row.id for row in rows]
-        self.cache.static_step(ids, [row.fed for row in rows])
-        slots = [self.cache.slots[i] for i in ids]
-        tokens = torch.zeros(self.max_rows, dtype=torch.long)
-        tokens[slots] = torch.tensor([row.request.tokens[row.fed] for row in rows])
-        logits, routing = self.decoder(tokens.to(self.device))
+        ids, fed = [row.id for row in rows], [row.fed for row in rows]
+        tokens = self.cache.static_step(ids, fed, [r.request.tokens[r.fed] for r in rows])
+        logits, routing = self.decoder(tokens)
         self.cache.static_done(ids)
         routing = routing.cpu()
-        for row, s in zip(rows, slots, strict=True):
+        for row in rows:
+            s = self.cache.slots[row.id]
             out[row.id] = logits[s : s + 1], routing[s : s + 1]
 
     def _fail(self, row: Row, exc: Exception) -> None:

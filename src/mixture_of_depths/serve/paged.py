@@ -48,20 +48,10 @@ class PagePool:
     (lowest id first) and storage that grows as higher ids are handed out (`full`: allocated
     at once, with a trash page after the last, for a static step to write its skippers to)."""
 
-    def __init__(
-        self,
-        n_pages: int,
-        page_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        full: bool = False,
-    ) -> None:
-        self.n_pages, self.page_size = n_pages, page_size
-        self._shape = (page_size, n_kv_heads, head_dim)
-        size = n_pages + 1 if full else 0
-        self.k = torch.zeros(size, *self._shape, dtype=dtype, device=device)
+    def __init__(self, n_pages: int, shape: tuple, dtype, device, full: bool = False) -> None:
+        self.n_pages, self.page_size = n_pages, shape[0]
+        self._shape = shape  # (page_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(n_pages + 1 if full else 0, *shape, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self._free = list(range(n_pages))  # a heap: sorted is a valid heap
         self.in_use = 0
@@ -147,9 +137,9 @@ class PagedKVCache:
             )
         self.config, self.page_size, self.max_len = config, page_size, config.max_seq_len
         self.device, self.dtype = torch.device(device), dtype
-        shape = (page_size, config.n_kv_heads, config.head_dim, dtype, self.device)
+        shape = (page_size, config.n_kv_heads, config.head_dim)
         self.pools = [
-            PagePool(n_pages, *shape, full=static_rows > 0)
+            PagePool(n_pages, shape, dtype, self.device, static_rows > 0)
             for _ in range(config.n_kv_layers)  # one per application of a layer (MoR)
         ]
         self.tables: dict[int, list[list[int]]] = {}  # row -> per layer, its pages in order
@@ -239,21 +229,22 @@ class PagedKVCache:
         """The view of one prefill forward of the empty `rows`' right-padded prompts."""
         return PagedPrefill(self, list(rows))
 
-    def static_step(self, rows: Sequence[int], positions: Sequence[int]) -> PagedStatic:
-        """The static view of a decode step of `rows`, one token each at `positions`: their
-        page tables, lengths and positions put on the device, every other slot inactive, and a
-        page taken in each layer where a row's next token would start one (the scheduler's
-        worst case: the token may take every layer). `static_done` follows the step."""
+    def static_step(
+        self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]
+    ) -> Tensor:
+        """Set up the static view (`static`) for a decode step of `tokens`, one per row of
+        `rows` at `positions`: their page tables, lengths and positions put on the device,
+        every other slot inactive, and a page taken in each layer where a row's next token would
+        start one (the scheduler's worst case: the token may take every layer). Returns the
+        step's input, each row's token at its slot (N,). `static_done` follows the step."""
         store, ps = self.static, self.page_size
         table = torch.full(store.table.shape, store.trash, dtype=torch.long)
         lens = torch.zeros(store.lengths.shape, dtype=torch.long)
-        pos, active = (
-            torch.zeros(store.n_rows, dtype=torch.long),
-            torch.zeros(store.n_rows, dtype=bool),
-        )
-        for row, at in zip(rows, positions, strict=True):
+        pos, ids = torch.zeros(store.n_rows, dtype=torch.long), torch.zeros(store.n_rows).long()
+        active = torch.zeros(store.n_rows, dtype=torch.bool)
+        for row, at, token in zip(rows, positions, tokens, strict=True):
             s = self.slots[row]
-            pos[s], active[s] = at, True
+            pos[s], active[s], ids[s] = at, True, token
             for layer, (pool, pages) in enumerate(zip(self.pools, self.tables[row], strict=True)):
                 n = self.lengths[row][layer]
                 if n % ps == 0:
@@ -262,7 +253,7 @@ class PagedKVCache:
                 table[layer, s, : len(pages)] = torch.tensor(pages)
         for name, value in (("table", table), ("lengths", lens), ("pos", pos), ("active", active)):
             getattr(store, name).copy_(value)
-        return store
+        return ids.to(self.device)
 
     def static_done(self, rows: Sequence[int]) -> None:
         """After a static step of `rows`: each layer's lengths read back (one host read) and
