@@ -5,18 +5,30 @@ collected back into the study's results as if it had trained them."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from mixture_of_depths import cli
 from mixture_of_depths.cli import train as cli_train
-from mixture_of_depths.studies import loader, scheduler
-from mixture_of_depths.studies.runner import load_results, prepare, run_one
+from mixture_of_depths.studies import loader, runner, scheduler
+from mixture_of_depths.studies.rounds import Round
+from mixture_of_depths.studies.runner import (
+    Folders,
+    Plan,
+    RunSpec,
+    StudySettings,
+    load_results,
+    prepare,
+    run_one,
+)
 
 STUDY = """
 from pathlib import Path
@@ -138,3 +150,75 @@ def test_a_loop_study_has_no_runs_to_print(tmp_path, capsys):
     )
     assert cli.main(["study", str(folder), "--commands"]) == 2
     assert "runs a loop of its own" in capsys.readouterr().err
+
+
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
+
+
+@pytest.mark.parametrize("name", ["kv", "mor"])
+def test_pending_proposes_the_second_seeds_the_plans_own_seeding_gives(name, tmp_path, monkeypatch):
+    """With the committed results less their seed-1 rows, the scheduler proposes exactly the
+    runs `runner.study` would train next, in its order (the oracle: `runner.study` itself, each
+    run answered by its committed row instead of training), and those are the committed seed-1
+    runs."""
+    plan = loader.load_study(EXPERIMENTS / name)
+    committed = load_results(EXPERIMENTS / name / "results.jsonl")
+    first = [r for r in committed if r["seed"] != 1]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    rows = {r["name"]: r for r in committed}
+    trained: list[str] = []
+    monkeypatch.setattr(
+        runner, "run_one", lambda spec, *a: trained.append(spec.name) or rows[spec.name]
+    )
+    quiet = dataclasses.replace(plan, report=lambda *a: None, finish=None)
+    runner.study(quiet, tmp_path, tmp_path / "work", progress=False)
+    proposed = [sp.name for sp in scheduler.pending(plan, first, False)]
+    assert proposed == trained
+    assert sorted(proposed) == sorted(r["name"] for r in committed if r["seed"] == 1)
+
+
+def _row(spec: RunSpec, **extra: Any) -> dict[str, Any]:
+    return {**dataclasses.asdict(spec), "val_loss_causal": 3.0, **extra}
+
+
+def _twins() -> tuple[RunSpec, RunSpec]:
+    model = {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32, "vocab_size": 64,
+             "causal_router": "predictor"}  # fmt: skip
+    a = RunSpec(name="a", group="ablation", label="A", budget=1e8, model=model)
+    return a, dataclasses.replace(a, name="b", label="B", evaluations=3)
+
+
+def _collect_twin(study: Any, tmp_path: Path, a: RunSpec) -> dict[str, dict[str, Any]]:
+    out = tmp_path / "out"
+    (out / "metrics").mkdir(parents=True)
+    (out / "metrics" / "a.jsonl").write_text('{"step": 1}\n')
+    (out / "results.jsonl").write_text(json.dumps(_row(a, profile={"x": 1})) + "\n")
+    assert scheduler.collect(study, out, tmp_path / "work", False, None) == ["b"]
+    assert (out / "metrics" / "b.jsonl").read_text() == '{"step": 1}\n'
+    return {r["name"]: r for r in load_results(out / "results.jsonl")}
+
+
+def test_a_twin_collected_for_a_round_gets_the_row_the_round_itself_writes(tmp_path):
+    """A run whose twin finished is collected with the row `rounds.result_of` gives it: its own
+    evaluations, no profile of the other run's."""
+    a, b = _twins()
+    settings = SimpleNamespace(grid=None)
+    study = Round(name="r", folders=Folders(str(tmp_path)), settings=lambda quick: settings,
+                  plan=lambda s, results: [a, b], report=lambda *args: None,
+                  profile=lambda *args: {})  # fmt: skip
+    rows = _collect_twin(study, tmp_path, a)
+    assert rows["b"]["same_run_as"] == "a" and rows["b"]["evaluations"] == 3
+    assert "profile" not in rows["b"] and rows["a"]["profile"] == {"x": 1}
+
+
+def test_a_twin_in_a_plan_is_collected(tmp_path):
+    """A plan's run whose twin finished is neither printed nor left out: collect reuses the
+    twin's row."""
+    a, b = _twins()
+    settings = StudySettings(budgets=(1e8,), sizes=(), seq_len=32, batch_size=4, eval_every_runs=1,
+                             eval_batches=1, base={}, ablation_size="S")  # fmt: skip
+    study = Plan(name="p", settings=lambda quick: settings, runs=lambda s: [a, b],
+                 report=lambda *args: None, folders=Folders(str(tmp_path)))  # fmt: skip
+    assert scheduler.pending(study, [_row(a)], False) == []
+    rows = _collect_twin(study, tmp_path, a)
+    assert rows["b"]["same_run_as"] == "a" and rows["b"]["evaluations"] == 3

@@ -135,17 +135,24 @@ def result_of(
     fields, and the run folder it trained in (None where a finished twin's row is reused)."""
     done = twin(spec, results)
     if done is not None:  # the same run, already done under another name: reuse it
-        row = {**done, "name": spec.name, "group": spec.group, "label": spec.label,
-               "evaluations": spec.evaluations, "same_run_as": done["name"]}  # fmt: skip
-        row.pop("profile", None)
-        shutil.copyfile(out / "metrics" / f"{done['name']}.jsonl",
-                        out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
-        return row, None
+        return twin_row(spec, done, out), None
     row = run_one(spec, s.grid, work, data, progress)
     folder = work / spec.name
     shutil.copyfile(folder / "metrics.jsonl", out / "metrics" / f"{spec.name}.jsonl")
     row.update(study.profile(spec, s, folder, data))
     return row, folder
+
+
+def twin_row(spec: RunSpec, done: dict[str, Any], out: Path) -> dict[str, Any]:
+    """`spec`'s row from the row `done` of its finished `twin`, its metrics copied in ``<out>/
+    metrics`` under `spec`'s name: the training's figures are the twin's; `spec`'s own are its
+    name, group, label and evaluations, and no profile (one is of the twin's evaluations)."""
+    row = {**done, "name": spec.name, "group": spec.group, "label": spec.label,
+           "evaluations": spec.evaluations, "same_run_as": done["name"]}  # fmt: skip
+    row.pop("profile", None)
+    shutil.copyfile(out / "metrics" / f"{done['name']}.jsonl",
+                    out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
+    return row
 
 
 def claim_next(claims: Path, pending: list[RunSpec]) -> tuple[RunLock | None, RunSpec]:

@@ -17,7 +17,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -371,6 +371,34 @@ class Plan:
     finish: Callable[[list[dict[str, Any]], Path, Path, str | None], None] | None = None
 
 
+def plan_runs(
+    plan: Plan, settings: StudySettings, results: list[dict[str, Any]]
+) -> Iterator[RunSpec]:
+    """Every run `plan` calls for, in the order `study` trains them, finished ones included:
+    its planned runs, and once a seed group of its grid is done (every run in `results`),
+    that group's second seeds (`plan.seeds`) next, before the later groups' runs (so a group is
+    complete, seeds and all, early; a resumed study's done groups keep their order). `results`
+    is read after each run is handed out: `study` appends the row of each run it trains; the
+    scheduler's fixed results give the runs called for so far (`scheduler.pending`). A name may
+    come twice (a plan's own second seed that `plan.seeds` gives too): it is one run."""
+    specs = plan.runs(settings)
+    queue = list(specs)
+    groups: dict[Any, list[RunSpec]] = {}  # the grid's runs by seed group, in plan order
+    for spec in specs:
+        if spec.group == "isoflop":
+            groups.setdefault(plan.seed_group(spec), []).append(spec)
+    seeded: set[Any] = set()
+    while queue:
+        yield queue.pop(0)
+        done = {r["name"] for r in results}
+        new: list[RunSpec] = []
+        for key, grid in groups.items():  # a group's isoFLOP runs done: its second seeds
+            if key not in seeded and all(s.name in done for s in grid):
+                seeded.add(key)
+                new += plan.seeds(results, key, settings)
+        queue[:0] = new
+
+
 def study(
     plan: Plan,
     out: str | Path | None = None,
@@ -394,37 +422,23 @@ def study(
     print(f"{plan.name}: {sum(sp.name not in done for sp in specs)} runs to train, {len(done)} "
           "done; the grid's second seeds come on top", file=sys.stderr)  # fmt: skip
     bar = tqdm(total=n_total, initial=len(done), desc="study", unit="run", disable=not progress)
-    pending = list(specs)
-    groups: dict[Any, list[RunSpec]] = {}  # the grid's runs by seed group, in plan order
-    for spec in specs:
-        if spec.group == "isoflop":
-            groups.setdefault(plan.seed_group(spec), []).append(spec)
-    seeded: set[Any] = set()
-    while pending:
-        spec = pending.pop(0)
-        if spec.name not in done:
-            bar.set_postfix_str(spec.name)
-            started = time.monotonic()
-            row = run_one(spec, settings, work, data, progress)
-            with results_path.open("a") as fh:
-                fh.write(json_text(row) + "\n")
-            results.append(row)
-            done.add(spec.name)
-            bar.update(1)
-            if not progress:  # a log line per run where no bar shows it (a background study)
-                to_go = sum(sp.name not in done for sp in pending)
-                print(finished_line(row, len(done), to_go, time.monotonic() - started), flush=True)
-            plan.report(results, out, settings)
-            if not keep_checkpoints and plan.finish is None:
-                shutil.rmtree(work / spec.name, ignore_errors=True)
-        new: list[RunSpec] = []
-        for key, grid in groups.items():  # a group's isoFLOP runs done: its second seeds
-            if key not in seeded and all(s.name in done for s in grid):
-                seeded.add(key)
-                new += plan.seeds(results, key, settings)
-        # next, in the groups' order, before the later groups' runs: a group is complete,
-        # seeds and all, early (and a resumed study's done groups keep their order)
-        pending[:0] = new
+    for spec in plan_runs(plan, settings, results):
+        if spec.name in done:
+            continue
+        bar.set_postfix_str(spec.name)
+        started = time.monotonic()
+        row = run_one(spec, settings, work, data, progress)
+        with results_path.open("a") as fh:
+            fh.write(json_text(row) + "\n")
+        results.append(row)
+        done.add(spec.name)
+        bar.update(1)
+        if not progress:  # a log line per run where no bar shows it (a background study)
+            to_go = len({sp.name for sp in plan_runs(plan, settings, results)} - done)
+            print(finished_line(row, len(done), to_go, time.monotonic() - started), flush=True)
+        plan.report(results, out, settings)
+        if not keep_checkpoints and plan.finish is None:
+            shutil.rmtree(work / spec.name, ignore_errors=True)
     bar.close()
     if plan.finish is not None:
         plan.finish(results, out, work, data)

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MoDConfig
-from .rounds import Round, append_row, twin
-from .runner import Plan, RunSpec, load_results, prepare, result_row, seed_specs
+from .rounds import Round, append_row, twin, twin_row
+from .runner import Plan, RunSpec, load_results, plan_runs, prepare, result_row
 
 PRESET = "small"  # what the command names; every model field is given, so it only fills gaps
 # Fields the command leaves to `mod train`: the tokenizer's vocabulary, fitted thresholds.
@@ -29,24 +29,27 @@ TRAIN_FIELDS = ("data", "tokenizer", "batch_size", "seq_len", "steps", "lr", "wa
                 "capacity_warmup", "capacity_warmup_ratio")  # fmt: skip
 
 
+def called_for(study: Any, settings: Any, results: list[dict[str, Any]]) -> list[RunSpec]:
+    """Every run `study` calls for given `results`, finished ones and twins included, once each,
+    in the order the study itself would train them: a round's plan, or a `Plan`'s runs and the
+    second seeds of its done seed groups (`runner.plan_runs`, `runner.study`'s own order)."""
+    if isinstance(study, Round):
+        specs = study.plan(settings, results)
+    elif isinstance(study, Plan):
+        specs = list(plan_runs(study, settings, results))
+    else:
+        raise ValueError(f"study {getattr(study, 'name', study)!r} has no plan of runs to print")
+    first: dict[str, RunSpec] = {}  # a name given twice is one run: the study trains the first
+    for spec in specs:
+        first.setdefault(spec.name, spec)
+    return list(first.values())
+
+
 def pending(study: Any, results: list[dict[str, Any]], quick: bool) -> list[RunSpec]:
     """The runs `study` calls for that have no row yet (a run whose twin finished is left to
     `collect`, which reuses the twin's row)."""
-    s = study.settings(quick)
     done = {r["name"] for r in results}
-    if isinstance(study, Round):
-        specs = study.plan(s, results)
-    elif isinstance(study, Plan):
-        specs = list(study.runs(s))
-        budgets = {sp.budget for sp in specs if sp.group == "isoflop"}
-        grid_done = {
-            b
-            for b in budgets
-            if all(sp.name in done for sp in specs if sp.group == "isoflop" and sp.budget == b)
-        }
-        specs += [sp for b in sorted(grid_done) for sp in seed_specs(results, b)]  # fmt: skip
-    else:
-        raise ValueError(f"study {getattr(study, 'name', study)!r} has no plan of runs to print")
+    specs = called_for(study, study.settings(quick), results)
     return [sp for sp in specs if sp.name not in done and twin(sp, results) is None]
 
 
@@ -163,7 +166,7 @@ def collect(study: Any, out: Path, work: Path, quick: bool, data: str | None) ->
     got: list[str] = []
     while True:
         results = load_results(out / "results.jsonl")
-        new = _collect_wave(study, s, grid, results, out, work, data, quick)
+        new = _collect_wave(study, s, grid, results, out, work, data)
         got += new
         if not new:
             break
@@ -173,19 +176,16 @@ def collect(study: Any, out: Path, work: Path, quick: bool, data: str | None) ->
 
 def _collect_wave(
     study: Any, s: Any, grid: Any, results: list[dict[str, Any]], out: Path, work: Path,
-    data: str | None, quick: bool,
+    data: str | None,
 ) -> list[str]:  # fmt: skip
-    """One pass of `collect` over the runs the results call for now."""
+    """One pass of `collect` over the runs the results call for now, twins included (their
+    rows are the twins', as `rounds.result_of` writes them)."""
     done = {r["name"] for r in results}
-    specs = study.plan(s, results) if isinstance(study, Round) else pending(study, results, quick)
     got = []
-    for spec in (sp for sp in specs if sp.name not in done):
+    for spec in (sp for sp in called_for(study, s, results) if sp.name not in done):
         reused = twin(spec, results)
         if reused is not None:
-            row = {**reused, "name": spec.name, "group": spec.group, "label": spec.label,
-                   "same_run_as": reused["name"]}  # fmt: skip
-            shutil.copyfile(out / "metrics" / f"{reused['name']}.jsonl",
-                            out / "metrics" / f"{spec.name}.jsonl")  # fmt: skip
+            row = twin_row(spec, reused, out)
         else:
             summary = finished(spec, grid, work, data)
             if summary is None:
