@@ -19,6 +19,7 @@ Names with shape suffixes: B batch, T tokens, K chosen per row, N decode rows, D
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -101,8 +102,6 @@ class Selection:
             m, n = len(sel), len(take)
             self.sel, self.empty, self.whole = sel, m == 0, m == n
             self.pick: slice | Tensor = slice(None)  # every row: no gather, no scatter
-            # the cache seen through the taking rows
-            self.view: Cache | None = p.cache if m in (0, n) else p.cache.subset(sel)
             if 0 < m < n:  # one row, the common case at low capacity: a slice, not a gather
                 one = slice(int(sel[0]), int(sel[0]) + 1)
                 self.pick = one if m == 1 else sel.to(p.cos.device)
@@ -141,6 +140,11 @@ class Selection:
         return self.scatter(x, x_sub + g.unsqueeze(-1) * f)
 
     # -- what the selected tokens' attention reads ----------------------------------------------
+    @cached_property
+    def view(self) -> Cache:
+        """The cache seen through the taking rows ("rows"), made when an attention reads it."""
+        return self.p.cache if self.whole else self.p.cache.subset(self.sel)
+
     def own(self, layer: int) -> tuple[KVHook | None, Tensor | None]:
         """The takers' own keys in cache layer `layer`: the hook that stores them (decoding:
         and reads all the layer holds for the selected rows), and the mask among them."""
@@ -148,9 +152,8 @@ class Selection:
         if self.mode == "masked":
             if self._mask is None:
                 self._mask = causal_attention_mask(self.take)
-            return (None if p.cache is None else kv_hook(p.cache, layer, self.take, False)), (
-                self._mask
-            )
+            kv = None if p.cache is None else kv_hook(p.cache, layer, self.take, False)
+            return kv, self._mask
         if p.cache is None:
             return None, None
         if self.mode == "topk":  # the gathered takers, in order: what the layer stores
