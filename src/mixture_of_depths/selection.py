@@ -103,8 +103,8 @@ class Selection:
             self.sel, self.empty, self.whole = sel, m == 0, m == n
             self.pick: slice | Tensor = slice(None)  # every row: no gather, no scatter
             if 0 < m < n:  # one row, the common case at low capacity: a slice, not a gather
-                one = slice(int(sel[0]), int(sel[0]) + 1)
-                self.pick = one if m == 1 else sel.to(p.cos.device)
+                self.sel_d = sel.to(p.cos.device)
+                self.pick = slice(int(sel[0]), int(sel[0]) + 1) if m == 1 else self.sel_d
                 self.cos, self.sin = p.cos[self.pick], p.sin[self.pick]
 
     # -- the tokens -----------------------------------------------------------------------------
@@ -124,7 +124,7 @@ class Selection:
             D = x.shape[-1]
             return x.reshape(-1, D).index_copy(0, self.rows, y.reshape(-1, D)).view(x.shape)
         if self.mode == "rows":
-            return y if self.whole else x.index_copy(0, self.sel.to(x.device), y)
+            return y if self.whole else x.index_copy(0, self.sel_d, y)
         return torch.where(self.take.unsqueeze(-1), y, x)
 
     def run(
