@@ -190,3 +190,52 @@ def test_an_api_key_guards_every_v1_route_and_is_never_logged(model, caplog):  #
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
     assert KEY not in caplog.text
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One whole response from a kept-alive connection: its headers and its body (by
+    Content-Length, or chunked to its last chunk)."""
+    got = b""
+    while True:
+        head, ended, body = got.partition(b"\r\n\r\n")
+        if ended:
+            if b"transfer-encoding: chunked" in head.lower():
+                if body.endswith(b"0\r\n\r\n"):
+                    return got
+            elif len(body) >= int(head.lower().partition(b"content-length: ")[2].split()[0]):
+                return got
+        chunk = sock.recv(4096)
+        assert chunk, got
+        got += chunk
+
+
+def test_a_body_sent_after_an_early_answer_leaves_an_idle_connection_silent(model):  # noqa: ANN001
+    """The app answers 401 before reading the body; the body comes afterwards: the connection
+    is idle and kept alive, so no header timer runs on it (no unsolicited 408, which a pooled
+    client would read as the answer to its next request), only the keep-alive's close."""
+    limits = Limits(max_connections=6, header_timeout_s=0.3, body_timeout_s=0.3, keep_alive_s=2)
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer wrong\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with _server(model, limits, access=Access(api_key=KEY)) as server:
+        for then_ask in (True, False):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+                sock.sendall(head)
+                assert _answer(sock).startswith(b"HTTP/1.1 401")
+                sock.sendall(body)
+                if then_ask:  # past the header timeout: nothing came, the connection still serves
+                    sock.settimeout(1.0)
+                    try:
+                        unasked = sock.recv(4096)
+                    except TimeoutError:
+                        unasked = b""
+                    assert unasked == b"", unasked
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                    sock.settimeout(5)
+                    assert _answer(sock).startswith(b"HTTP/1.1 200")
+                else:  # left idle: closed by the keep-alive timer, saying nothing
+                    got, waited = _read_all(sock, 5)
+                    assert got == b"" and waited >= 1.5, (got, waited)
+        assert server.state.errors[408] == 0

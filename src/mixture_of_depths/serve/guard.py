@@ -5,8 +5,9 @@
 it gets a 503 and is closed before a byte is read) and two read timeouts uvicorn lacks: a
 request's headers must arrive within `header_timeout_s` of its first byte (of the connection,
 for a new one), its body within `body_timeout_s` of its headers, else a 408 and the connection
-closes. Idle keep-alive connections close after `keep_alive_s` (uvicorn's own timer). Once a
-request has been read, nothing here times it out: a completion streams for as long as it runs.
+closes. Idle keep-alive connections close after `keep_alive_s` (uvicorn's own timer), silently:
+no header timer runs without a byte of a next request. Once a request has been read, nothing
+here times it out: a completion streams for as long as it runs.
 
 `Guard` (`types.Access`): an ASGI middleware in front of the app. The `Host` header must
 name an IP address, `localhost`, the address the server listens on, or a name allowed by
@@ -58,28 +59,40 @@ class GuardedH11Protocol(H11Protocol):
                                  "retry-after: 1\r\n"))  # fmt: skip
             transport.close()
             return
-        self._watch(arrived=True)
+        self._arm("headers")  # a new connection's first request: timed from its first byte
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        self._watch(arrived=True)
+        self._watch()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._watch(arrived=bool(self.conn.trailing_data[0]))  # a pipelined request's bytes
+        self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
         super().connection_lost(exc)
 
-    def _watch(self, arrived: bool) -> None:
-        """Time the part of a request being read: its headers (once a byte of it has come; an
-        idle keep-alive connection is uvicorn's to close), then its body."""
+    def _watch(self) -> None:
+        """Time the part of a request being read: its headers once a byte of them is here (a
+        pipelined request's, or one arriving), then its body. An idle keep-alive connection
+        is uvicorn's to close: also after a body read once the app had answered (a 401 or 413
+        before reading it), where uvicorn stopped its keep-alive timer on the read."""
         state = self.conn.their_state
         if state is h11.IDLE:
-            self._arm("headers" if arrived else None)
+            waiting = bool(self.conn.trailing_data[0])  # bytes of a next request, buffered
+            self._arm("headers" if waiting else None)
+            if not waiting and self.timeout_keep_alive_task is None:
+                self._keep_alive()
         else:
             self._arm("body" if state is h11.SEND_BODY else None)
+
+    def _keep_alive(self) -> None:
+        """(Re)start uvicorn's keep-alive timer on an idle connection."""
+        if not self.transport.is_closing():
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
     def _arm(self, phase: str | None) -> None:
         """Start the timer of `phase` unless it runs already (its deadline stays)."""
