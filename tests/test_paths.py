@@ -14,7 +14,9 @@ from generate_helpers import make_prompts, served_and_reference
 from helpers import make_model, random_tokens, tiny_config
 
 from mixture_of_depths import generate
-from mixture_of_depths.static_cache import static_generate
+from mixture_of_depths.cache import KVCache
+from mixture_of_depths.generate import decode_step, prefill, right_pad
+from mixture_of_depths.static_cache import StaticKVCache, static_generate
 
 F64 = torch.float64
 STAGED = dict(n_experts=2, experts_per_token=1)  # expert MLPs in the MoD blocks
@@ -66,6 +68,24 @@ def test_static_decode_equals_generate_on_every_configuration(name):
     prompts = make_prompts()
     want = generate(model, prompts, 10, temperature=0).tokens
     assert static_generate(model, prompts, 10, headroom=4.0) == want
+
+
+@pytest.mark.parametrize("name", ["joint-residual-mode-staged", "mlp_kv-none-moe-none",
+                                  "mor-token-share", "mor-expert-recursion"])  # fmt: skip
+def test_the_driver_pair_decodes_a_static_cache_as_a_kv_cache(name):
+    """`prefill` and `decode_step`, the one driver pair, over a `KVCache` and over a
+    `StaticKVCache` (eagerly: its decode step under masks): the same greedy tokens."""
+    model = cell_model(name)
+    idx, lens = right_pad(make_prompts(), "cpu")
+    got = {}
+    for kind, kw in ((KVCache, {}), (StaticKVCache, dict(headroom=4.0))):  # no overflow
+        cache = kind(model.config, len(lens), int(lens.max()) + 8, dtype=F64, **kw)
+        logits, _ = prefill(model, idx, lens, cache)
+        tokens = [logits.argmax(-1)]
+        for _ in range(7):
+            tokens.append(decode_step(model, tokens[-1], cache)[0].argmax(-1))
+        got[kind] = torch.stack(tokens, 1).tolist()
+    assert got[KVCache] == got[StaticKVCache]
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["entries", "static-step"])
