@@ -239,3 +239,39 @@ def test_a_body_sent_after_an_early_answer_leaves_an_idle_connection_silent(mode
                     got, waited = _read_all(sock, 5)
                     assert got == b"" and waited >= 1.5, (got, waited)
         assert server.state.errors[408] == 0
+
+
+@pytest.mark.parametrize(
+    "host, ok",
+    [("::1", True), ("[::1]", True), ("[::1]:8000", True), ("[::1", False), ("[::1]x", False),
+     ("[gpu-box]", False), ("[::1]:80a", False), ("gpu-box:8000", True), ("gpu-box:x", False),
+     ("GPU-box.", True), ("10.0.0.1:8000", True)],
+)  # fmt: skip
+def test_host_values_are_parsed_strictly(host, ok):
+    assert Access(allowed_hosts=("gpu-box",)).host_allowed(host) == ok
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [(dict(api_key=""), "api_key must not be empty"),
+     (dict(api_key="k "), "api_key must not begin or end with whitespace"),
+     (dict(api_key="ключ"), "api_key must be printable ASCII"),
+     (dict(allowed_hosts=("gpu-box:8000",)), "allowed_hosts gpu-box:8000: give the name")],
+)  # fmt: skip
+def test_access_refuses_what_could_never_match(kw, says):
+    with pytest.raises(ValueError, match=says):
+        Access(**kw)
+
+
+def test_a_body_timeout_is_counted_once(model):  # noqa: ANN001
+    with _server(model) as server:
+        body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        got, _ = _trickle(server.port, head + body, every_s=0.1, first=len(head))
+        assert got.startswith(b"HTTP/1.1 408") and b"body did not arrive" in got, got
+        time.sleep(0.5)  # the app has seen the connection close
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert dict(server.state.errors) == {408: 1}

@@ -227,3 +227,29 @@ def test_kv_pools_larger_than_memory_are_refused_by_flag(model, tmp_path, capsys
     err = capsys.readouterr().err
     assert f"error: {flags[0]} 100000000: the KV page pools would take" in err
     assert "GiB of memory of cpu; give " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, env, says",
+    [
+        (["--api-key", " "], None, "--api-key must not be empty"),
+        (["--api-key", " k3y "], None, "--api-key must not begin or end with whitespace"),
+        (["--api-key", "clé-123"], None, "--api-key must be printable ASCII without spaces"),
+        (["--api-key", "two words"], None, "--api-key must be printable ASCII without spaces"),
+        ([], "", "MOD_API_KEY must not be empty"),
+        ([], "  ", "MOD_API_KEY must not be empty"),
+        ([], "k3y\n", "MOD_API_KEY must not begin or end with whitespace"),
+        (["--allowed-host", "a,gpu-box:8000"], None, "--allowed-host gpu-box:8000: give the name"),
+    ],
+)  # fmt: skip
+def test_a_key_or_host_name_that_could_never_match_is_refused_by_name(
+    model, tmp_path, monkeypatch, capsys, no_serving, flags, env, says
+):  # noqa: ANN001
+    """HTTP headers are latin-1 and their values stripped: a key with whitespace around it or
+    beyond ASCII never matches, and the Host check ignores ports; each refused at startup."""
+    ck = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    monkeypatch.delenv("MOD_API_KEY", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MOD_API_KEY", env)
+    assert main(["serve", str(ck), "--device", "cpu", *flags]) == 2
+    assert f"error: {says}" in capsys.readouterr().err and not no_serving

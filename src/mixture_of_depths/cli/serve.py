@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from ..checks import Range
-from ..serve.types import Access, Limits, parse_hosts
+from ..serve.types import Access, Limits, key_problem, parse_hosts
 
 EXTRA = "mod serve needs the [serve] extra: pip install -e '.[serve]'"
 
@@ -123,8 +123,22 @@ def _check(args: argparse.Namespace) -> None:
         Range(lo=0, lo_open=True).check(f"{flag} (seconds)", value)
     if not args.model_name.strip():
         raise ValueError("--model-name must not be empty")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key must not be empty (leave it out to ask for no key)")
+    _api_key(args)
+    parse_hosts(args.allowed_host)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key of --api-key, else of $MOD_API_KEY where it is set (even to ""), else None;
+    one that could never match a request's header is refused, naming where it came from."""
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif "MOD_API_KEY" in os.environ:
+        key, source = os.environ["MOD_API_KEY"], "MOD_API_KEY"
+    else:
+        return None
+    if problem := key_problem(key):
+        raise ValueError(f"{source} {problem}")
+    return key
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         batching=args.batching,
         device=str(device),
     )
-    key = args.api_key if args.api_key is not None else os.environ.get("MOD_API_KEY") or None
+    key = _api_key(args)
     access = Access(api_key=key, allowed_hosts=parse_hosts(args.allowed_host), bound=args.host)
     if key is None and not _loopback(args.host):
         print(

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .guard import Guard
+from .guard import TIMED_OUT, Guard
 from .metrics import CONTENT_TYPE, prometheus_text
 from .openai_api import (
     APIError,
@@ -105,13 +105,16 @@ def create_app(
 
 # -- errors ---------------------------------------------------------------------------------------
 def _error_handlers(app: FastAPI, st: ServeState) -> None:
-    def reply(exc: APIError) -> JSONResponse:
-        st.errors[exc.status] += 1
+    def reply(exc: APIError, count: bool = True) -> JSONResponse:
+        if count:
+            st.errors[exc.status] += 1
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return reply(exc)
+        # a body that timed out is the guard's 408, counted there, not also a 499
+        timed_out = exc.status == CLIENT_CLOSED and request.scope.get(TIMED_OUT, False)
+        return reply(exc, count=not timed_out)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

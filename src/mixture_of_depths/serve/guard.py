@@ -29,6 +29,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .types import Access, Limits
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
+# Set in a request's ASGI scope when its body timed out: the 408 is counted (and sent) here,
+# so the app does not count its own 499 for the disconnect it then sees (app.py).
+TIMED_OUT = "mod.body_timed_out"
 
 
 def _raw(status: int, reason: str, message: str, code: str, extra: str = "") -> bytes:
@@ -112,6 +115,8 @@ class GuardedH11Protocol(H11Protocol):
             return
         if phase == "headers" or not self.cycle.response_started:  # nothing sent: say why
             self.errors[408] += 1
+            if phase == "body":  # counted here: the app, reading the body, sees a disconnect
+                self.cycle.scope[TIMED_OUT] = True  # type: ignore[typeddict-unknown-key]
             msg = f"the request's {phase} did not arrive within {wait:g} s"
             self.transport.write(_raw(408, "Request Timeout", msg, "request_timeout"))
         self.transport.close()
@@ -157,4 +162,4 @@ class Guard:
         return None
 
 
-__all__ = ["Guard", "GuardedH11Protocol", "protocol"]
+__all__ = ["TIMED_OUT", "Guard", "GuardedH11Protocol", "protocol"]

@@ -78,23 +78,28 @@ class Limits:
 @dataclass(frozen=True)
 class Access:
     """Who may ask: the API key (None: anyone) and the names `Host` may give besides IP
-    addresses, `localhost` and the bound host (`*` among them: any)."""
+    addresses, `localhost` and the bound host (`*` among them: any). A key or a name that could
+    never match is refused here (`key_problem`, `name_problem`)."""
 
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     bound: str = "127.0.0.1"
 
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (problem := key_problem(self.api_key)):
+            raise ValueError(f"api_key {problem}")
+        for name in self.allowed_hosts:
+            if problem := name_problem(name):
+                raise ValueError(f"allowed_hosts {name}: {problem}")
+
     def host_allowed(self, host: str | None) -> bool:
         if host is None or "*" in self.allowed_hosts:  # HTTP/1.0 sends none: no browser
             return True
-        name = host.lower()
-        name = name[1 : name.find("]")] if name.startswith("[") else name.rpartition(":")[0] or name
-        name = name.rstrip(".")
-        try:
-            ipaddress.ip_address(name)
+        name = host_name(host)
+        if name is None:
+            return False
+        if _is_ip(name):
             return True
-        except ValueError:
-            pass
         names = {"localhost", _bare(self.bound), *(_bare(h) for h in self.allowed_hosts)}
         return name in names
 
@@ -106,10 +111,67 @@ class Access:
         return scheme.lower() == "bearer" and ok
 
 
+def key_problem(key: str) -> str | None:
+    """Why `key` could never match an `Authorization` header, or None: header values are
+    latin-1 with the whitespace around them stripped, so a key is printable ASCII, no spaces."""
+    if not key.strip():
+        return "must not be empty (leave it out to ask for no key)"
+    if key != key.strip():
+        return "must not begin or end with whitespace (a header's value is stripped)"
+    if not all("!" <= ch <= "~" for ch in key):
+        return "must be printable ASCII without spaces (HTTP headers are latin-1 bytes)"
+    return None
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` (an allowed host name) could never match a `Host` header, or None."""
+    if name == "*" or _is_ip(_bare(name)):
+        return None
+    if ":" in name or "/" in name:  # the check ignores ports: "gpu-box:8000" would never match
+        rest = name.split("//")[-1].split("/")[0]
+        bare = rest.rpartition(":")[0] if ":" in rest else rest
+        return f"give the name without a port or scheme ({bare}): the Host check ignores ports"
+    return None
+
+
+def host_name(host: str) -> str | None:
+    """The name a `Host` header value gives (lower case, no port, no trailing dot): an IPv6
+    address in brackets or bare; None where the value is malformed (an unclosed bracket,
+    something after it, a port that is not a number)."""
+    value = host.strip().lower()
+    if value.startswith("["):
+        inside, closed, rest = value[1:].partition("]")
+        port_ok = rest == "" or (rest[0] == ":" and _digits(rest[1:]))
+        return inside if closed and port_ok and _is_ip(inside) and ":" in inside else None
+    if _is_ip(value):  # a bare IPv6 literal (its colons are no port)
+        return value
+    name, colon, port = value.rpartition(":")
+    if colon and not _digits(port):
+        return None
+    return (name if colon else value).rstrip(".")
+
+
+def _digits(text: str) -> bool:
+    return text == "" or (text.isascii() and text.isdigit())
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _bare(host: str) -> str:
     return host.lower().strip("[]").rstrip(".")
 
 
 def parse_hosts(values: Sequence[str] | None) -> tuple[str, ...]:
-    """`--allowed-host` values, each possibly comma-separated."""
-    return tuple(h.strip() for v in values or () for h in v.split(",") if h.strip())
+    """`--allowed-host` values, each possibly comma-separated; a name that could never match
+    (one with a port) is a ValueError naming the flag."""
+    names = tuple(h.strip() for v in values or () for h in v.split(",") if h.strip())
+    for name in names:
+        if problem := name_problem(name):
+            raise ValueError(f"--allowed-host {name}: {problem}")
+    return names
