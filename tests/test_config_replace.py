@@ -220,10 +220,46 @@ def test_json_holds_resolved_values_and_old_files_load_unchanged():
     old = {**data, "d_model": 192, "d_ff": 512, "recursion_capacities": None}
     loaded = MoDConfig.from_dict(old)
     assert loaded == cfg and loaded.to_dict() == data
-    # what a file holds is given: the model it saved, whatever a later change derives
-    assert dataclasses.replace(loaded, d_model=384).d_ff == 512
+    # a value it holds that equals its derivation is not given: a later change re-derives it
+    # (as for the preset saved), one that differs stays
+    assert dataclasses.replace(loaded, d_model=384).d_ff == 1024
+    assert dataclasses.replace(MoDConfig.from_dict({**old, "d_ff": 256}), d_model=384).d_ff == 256
     assert MoDConfig.from_json(MoDConfig.preset("small-mor").to_json()).recursion_capacities == (
         1.0,
         0.25,
         0.125,
     )
+
+
+@pytest.mark.parametrize("base_name", list(BASES))
+def test_a_loaded_config_replaces_as_a_fresh_one_does(base_name):
+    """The JSON holds every field's resolved value; a `DERIVED` one that equals its derivation
+    from the other fields loads as not given, so the loaded config re-derives under `replace` as
+    the saved one did (the oracle: a fresh construction from the given fields, less those equal
+    to their derivation, which the JSON cannot tell from unset ones), and saves the same JSON."""
+    given = BASES[base_name]
+    saved = MoDConfig(**given)
+    told = {
+        k: v
+        for k, v in given.items()
+        if k not in DERIVED or _build({n: w for n, w in given.items() if n != k}) != saved
+    }
+    loaded = MoDConfig.from_json(saved.to_json())
+    assert loaded.to_json() == saved.to_json()
+    for field, values in VALUES.items():
+        for value in values:
+            change = {field: value}
+            _assert_same(_replaced(loaded, change), _build({**told, **change}), change)
+    for change in PAIRS:
+        _assert_same(_replaced(loaded, change), _build({**told, **change}), change)
+
+
+@pytest.mark.parametrize("base_name", list(BASES))
+def test_from_dict_takes_what_asdict_gives(base_name):
+    """`asdict` gives what was given (``_d_ff``: None where derived): `from_dict` takes it as
+    given, so the round trip keeps it exactly, beside `to_dict`'s resolved values."""
+    cfg = MoDConfig(**BASES[base_name])
+    again = MoDConfig.from_dict(dataclasses.asdict(cfg))
+    assert again == cfg and dataclasses.asdict(again) == dataclasses.asdict(cfg)
+    with pytest.raises(ValueError, match="both d_ff and _d_ff"):
+        MoDConfig.from_dict({**cfg.to_dict(), "_d_ff": 96})

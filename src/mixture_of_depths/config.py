@@ -13,11 +13,13 @@ field left unset (None) whose default follows from others (`n_kv_heads`, `d_ff`,
 The dataclass field of each of the five is private (``_d_ff``: what was given, None where it was
 not) and the public name is a property of the resolved value, because ``cfg.d_ff`` is read as the
 MLP's width everywhere, users' code included; the constructor and `replace` take the public names
-(and the private ones that `replace` and `dataclasses.asdict` carry). Everything else reads
-resolved values: equality and hashing (two configs that build the same model are equal),
-`repr`, `to_dict` and the JSON a checkpoint holds (explicit values: a saved config loads to the
-same model whatever later versions derive). The layers' kinds, the routes and their numbering,
-the recursion's steps and the KV cache's layout are derived once, in `topology.Topology`.
+(and the private ones that `replace` and `dataclasses.asdict` carry; `from_dict` takes either
+dict). Everything else reads resolved values: equality and hashing (two configs that build the
+same model are equal), `repr`, `to_dict` and the JSON a checkpoint holds (explicit values: a
+saved config loads to the same model whatever later versions derive; a value equal to its
+derivation from the others loads as not given, so `replace` re-derives it there too). The layers'
+kinds, the routes and their numbering, the recursion's steps and the KV cache's layout are
+derived once, in `topology.Topology`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from typing import Any
 
 from .checks import POSITIVE, POSITIVE_INT, SHARE, Range, check_choice, check_fields
 from .derived import (
+    DERIVED,
     Resolved,
+    as_given,
     aux_loss_weight,
     expert_width,
     kv_heads,
@@ -106,7 +110,8 @@ def capacity_tokens(capacity: float | tuple[int, int], seq_len: Any) -> Any:
 @taking_public_names
 @dataclass(frozen=True, eq=False, repr=False)
 class MoDConfig:
-    """Hyper-parameters of a `MoDTransformer`; validated on construction, round-trips via JSON.
+    """Hyper-parameters of a `MoDTransformer`; validated on construction, round-trips via JSON
+    (`to_json`/`from_json`) and dicts (`from_dict` takes `to_dict`'s or ``dataclasses.asdict``'s).
 
     Frozen: a model reads its config throughout, so change one with `dataclasses.replace`, which
     builds the config afresh from what was given and the change (the module docstring says how
@@ -513,11 +518,20 @@ class MoDConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MoDConfig:
-        known = set(FIELD_NAMES)
-        unknown = sorted(set(d) - known)
+        """The config of `to_dict`'s resolved values (a checkpoint's JSON), where a `DERIVED`
+        value equal to its derivation from the others counts as not given (`derived.as_given`:
+        the same model, and under ``replace`` as the fresh config saved); or of
+        ``dataclasses.asdict``'s fields (``_d_ff``, ...), taken as given, exactly."""
+        private = {stored_name(name): name for name in DERIVED}
+        unknown = sorted(set(d) - set(FIELD_NAMES) - set(private))
         if unknown:
-            raise ValueError(f"unknown MoDConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**d)
+            raise ValueError(f"unknown MoDConfig fields {unknown}; known: {sorted(FIELD_NAMES)}")
+        both = [f"{name} and {p}" for p, name in private.items() if p in d and name in d]
+        if both:
+            raise ValueError(f"both {', '.join(both)} given: give one of each")
+        given = {private[k]: v for k, v in d.items() if k in private}
+        resolved = {k: v for k, v in d.items() if k not in private}
+        return as_given(lambda fields: cls(**fields, **given), resolved)
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 MAX_D_FF = 1 << 20  # a sanity bound on the MLP width derived from ff_mult
@@ -55,6 +56,26 @@ def taking_public_names(cls: type) -> type:
     fields = cls.__dataclass_fields__
     cls.__dataclass_fields__ = {f.name.removeprefix("_"): f for f in fields.values()}
     return cls
+
+
+def as_given(build: Callable[[dict[str, Any]], Any], fields: dict[str, Any]) -> Any:
+    """The config `build(fields)` builds from resolved values (a checkpoint's JSON), with each
+    `DERIVED` value that equals its derivation from the other fields taken as not given: the
+    same model, re-derived under ``replace`` as a config that left it unset (the saved one,
+    where it did) would be. In `DERIVED` order: a later field may derive from an earlier one."""
+    cfg = build(fields)
+    resolved = cfg.resolved()
+    for name in DERIVED:
+        if fields.get(name) is None:
+            continue
+        trial = {**fields, name: None}
+        try:
+            unset = build(trial)
+        except ValueError:  # its derivation is refused here: it stays given
+            continue
+        if unset.resolved() == resolved:
+            fields, cfg = trial, unset
+    return cfg
 
 
 def kv_heads(g: Any) -> int:
