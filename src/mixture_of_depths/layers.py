@@ -208,7 +208,8 @@ class Predictor(nn.Module):
         self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.silu(linear32(x, self.fc1))
+        # Stop-gradient: it learns from its own BCE and never shapes the LM (docs/semantics.md).
+        h = F.silu(linear32(x.detach() if torch.is_grad_enabled() else x, self.fc1))
         return linear32(h, self.fc2).squeeze(-1)
 
     @staticmethod

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -137,10 +136,7 @@ class Recursion(nn.Module):
             logits = z[..., r:].amax(-1) - z[..., :r].amax(-1)
             return logits, depth[1].to(x_BTD.dtype), None, logits, 0.0
         r_BT = linear32(x_BTD, self.router[str(r)]).squeeze(-1)
-        pred_BT = None
-        if self.cfg.has_predictor:  # behind a stop-gradient, as MoD's (routed.py)
-            pred = self.predictor[str(r)]
-            pred_BT = pred(x_BTD.detach() if torch.is_grad_enabled() else x_BTD)
+        pred_BT = self.predictor[str(r)](x_BTD) if self.cfg.has_predictor else None
         thr = self.cfg.causal_threshold(self.cfg.topology.router_index(r, KIND))
         g = gate(self.cfg, r_BT, x_BTD)
         return r_BT, g, pred_BT, r_BT if pred_BT is None else pred_BT, thr

@@ -66,10 +66,7 @@ class RoutedBlock(Block):
 
     def predictor_logits(self, kind: str, x_BTD: Tensor) -> Tensor | None:
         """The causal predictor's logits (B, T) in predictor mode, else None."""
-        if not self.cfg.has_predictor:
-            return None
-        # Stop-gradient: the predictor learns from its own BCE and never shapes the LM.
-        return self.predictor[kind](x_BTD.detach() if torch.is_grad_enabled() else x_BTD)
+        return self.predictor[kind](x_BTD) if self.cfg.has_predictor else None
 
     @property
     def residual_kv(self) -> bool:
