@@ -134,3 +134,40 @@ def test_one_rows_chunk_alone_equals_its_full_forward(kind):
     full = model(torch.tensor([p]), routing="causal")
     torch.testing.assert_close(torch.cat([g[0] for g in got]), full.logits[0], **TOL)
     d.check_pages()
+
+
+def test_a_prefill_that_runs_the_pool_dry_part_way_loses_no_page():
+    """Row 1's prompt needs more pages than are left after row 0's: the write fails, and the
+    pages it took before the failure are in no table (issue 54): the pool must take them
+    back, so that freeing both rows leaves every page free."""
+    cfg = serve_model("dense").config  # max_seq_len 64: 16 pages of 4 hold one full row
+    cache = PagedKVCache(cfg, n_pages=16, page_size=4, dtype=torch.float64)
+    for row in (0, 1):
+        cache.add_row(row)
+    k = torch.zeros(1, cfg.n_kv_heads, 40, cfg.head_dim, dtype=torch.float64)
+    cache.prefill([0]).write_prefill(0, k, k, None)  # 10 of the 16 pages
+    with pytest.raises(RuntimeError, match="KV page pool exhausted"):
+        cache.prefill([1]).write_prefill(0, k, k, None)  # 10 more: 6 are left
+    cache.free_row(0)
+    cache.free_row(1)
+    assert cache.pages_in_use() == [0] * len(cache.pools)
+    assert sorted(cache.pools[0]._free) == list(range(16))
+
+
+def test_a_pool_whose_storage_fails_to_grow_keeps_its_pages(monkeypatch):
+    """Growing a pool's storage can fail (out of memory): the page taken for it goes back
+    to the free list and is counted free, and the next allocation gets it."""
+    cfg = serve_model("dense").config
+    cache = PagedKVCache(cfg, n_pages=16, page_size=4, dtype=torch.float64)
+    pool = cache.pools[0]
+    assert pool.k.shape[0] == 0  # lazily allocated: the first page grows the storage
+
+    def oom(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise torch.OutOfMemoryError("injected: no memory for the pool's growth")
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.allocate(2)
+    monkeypatch.undo()
+    assert pool.free == 16 and pool.in_use == 0
+    assert pool.allocate(2) == [0, 1]

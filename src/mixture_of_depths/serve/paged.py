@@ -60,20 +60,31 @@ class PagePool:
     def free(self) -> int:
         return self.n_pages - self.in_use
 
-    def allocate(self) -> int:
-        if not self._free:
+    def allocate(self, n: int = 1) -> list[int]:
+        """`n` pages, lowest ids first: all of them or none. A pool that runs dry, or whose
+        storage fails to grow (out of memory), keeps every page it had, so a caller that fails
+        part-way has nothing to give back (issue 54: pages taken before a failure were lost)."""
+        if n > len(self._free):
             raise RuntimeError(f"KV page pool exhausted ({self.n_pages} pages)")
-        page = heapq.heappop(self._free)
-        self.in_use += 1
+        pages = [heapq.heappop(self._free) for _ in range(n)]  # ascending: the last is largest
+        try:
+            if pages and pages[-1] >= self.k.shape[0]:
+                self._grow(pages[-1] + 1)
+        except BaseException:
+            for page in pages:
+                heapq.heappush(self._free, page)
+            raise
+        self.in_use += n
+        return pages
+
+    def _grow(self, need: int) -> None:
+        """Storage for `need` pages at least: by half (at least 4), up to the pool's size; keys
+        and values replaced together, so a failure leaves both as they were."""
         have = self.k.shape[0]
-        if page >= have:  # grow by half (at least 4 pages), up to the pool's size
-            new = min(self.n_pages, max(page + 1, have * 3 // 2, 4))
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                grown = old.new_zeros(new, *self._shape)
-                grown[:have] = old
-                setattr(self, name, grown)
-        return page
+        new = min(self.n_pages, max(need, have * 3 // 2, 4))
+        k, v = self.k.new_zeros(new, *self._shape), self.v.new_zeros(new, *self._shape)
+        k[:have], v[:have] = self.k, self.v
+        self.k, self.v = k, v
 
     def release(self, pages: Sequence[int]) -> None:
         for page in pages:
@@ -87,6 +98,14 @@ class PagePool:
     @property
     def nbytes_allocated(self) -> int:
         return self.k.shape[0] * self.page_bytes
+
+
+def read_pages(pool: Tensor, idx: Tensor, rows: int) -> Tensor:
+    """The pages `idx` (rows * P,) of `pool` (pages, page_size, H, D) as (rows, P * page_size,
+    H, D): whole pages copied as flat rows (index_select), several times cheaper on a CPU than
+    indexing the 4-d pool with a 2-d table."""
+    flat = pool.view(pool.shape[0], -1).index_select(0, idx)
+    return flat.view(rows, -1, *pool.shape[2:])
 
 
 def pool_bytes(config: MoDConfig, n_pages: int, page_size: int, dtype: torch.dtype) -> int:
@@ -147,6 +166,7 @@ class PagedKVCache:
         self.static = PagedStatic(self, static_rows) if static_rows else None
         self.slots: dict[int, int] = {}  # row -> its slot in the static step's batch
         self._free_slots = list(range(static_rows))  # a heap
+        self._ahead: list[tuple[int, int]] = []  # (row, layer): a page a static step took ahead
 
     # -- rows -----------------------------------------------------------------------------------
     def add_row(self, row: int) -> None:
@@ -166,9 +186,20 @@ class PagedKVCache:
         tables = self.tables.pop(row, None)
         self.lengths.pop(row, None)
         if row in self.slots:
-            heapq.heappush(self._free_slots, self.slots.pop(row))
+            slot = self.slots.pop(row)
+            self.static.clear(slot)
+            heapq.heappush(self._free_slots, slot)
         for pool, pages in zip(self.pools, tables or (), strict=False):
             pool.release(pages)
+
+    def _take(self, row: int, layer: int, n: int) -> None:
+        """`n` fresh pages at the end of the row's table in `layer` (none taken if the pool
+        cannot give them all), mirrored into the static view's page table."""
+        pages = self.tables[row][layer]
+        new = self.pools[layer].allocate(n)
+        if row in self.slots:
+            self.static.set_pages(layer, self.slots[row], len(pages), new)
+        pages += new
 
     def snapshot(self, rows: Sequence[int]) -> dict[int, list[tuple[int, int]]]:
         """Per row and layer, (pages, tokens) held: what `restore` undoes a failed forward to."""
@@ -182,6 +213,9 @@ class PagedKVCache:
                 pool.release(pages[n_pages:])
                 del pages[n_pages:]
             self.lengths[row] = [n for _, n in was]
+            if row in self.slots:
+                self.static.clear(self.slots[row], [n_pages for n_pages, _ in was])
+        self._ahead = []
 
     def pages_held(self, row: int) -> list[int]:
         return [len(pages) for pages in self.tables[row]]
@@ -233,53 +267,47 @@ class PagedKVCache:
         self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]
     ) -> Tensor:
         """Set up the static view (`static`) for a decode step of `tokens`, one per row of
-        `rows` at `positions`: their page tables, lengths and positions put on the device,
-        every other slot inactive, and a page taken in each layer where a row's next token would
-        start one (the scheduler's worst case: the token may take every layer). Returns the
-        step's input, each row's token at its slot (N,). `static_done` follows the step."""
-        store, ps = self.static, self.page_size
-        table = torch.full(store.table.shape, store.trash, dtype=torch.long)
-        lens = torch.zeros(store.lengths.shape, dtype=torch.long)
-        pos, ids = torch.zeros(store.n_rows, dtype=torch.long), torch.zeros(store.n_rows).long()
-        active = torch.zeros(store.n_rows, dtype=torch.bool)
-        for row, at, token in zip(rows, positions, tokens, strict=True):
-            s = self.slots[row]
-            pos[s], active[s], ids[s] = at, True, token
-            for layer, (pool, pages) in enumerate(zip(self.pools, self.tables[row], strict=True)):
-                n = self.lengths[row][layer]
-                if n % ps == 0:
-                    pages.append(pool.allocate())
-                lens[layer, s] = n
-                table[layer, s, : len(pages)] = torch.tensor(pages)
-        for name, value in (("table", table), ("lengths", lens), ("pos", pos), ("active", active)):
-            getattr(store, name).copy_(value)
-        return ids.to(self.device)
+        `rows` at `positions`: a page taken in each layer where a row's next token would start
+        one (the scheduler's worst case: the token may take every layer), then the slots' page
+        tables, lengths and positions copied to the device from the host's (kept as pages come
+        and go, not rebuilt per row), every other slot inactive. Returns the step's input, each
+        row's token at its slot (N,). `static_done` follows the step."""
+        lens = torch.tensor([self.lengths[row] for row in rows], dtype=torch.long)  # (n, L)
+        self._ahead = []
+        for i, layer in (lens % self.page_size == 0).nonzero().tolist():  # a host tensor
+            self._take(rows[i], layer, 1)
+            self._ahead.append((rows[i], layer))
+        slots = [self.slots[row] for row in rows]
+        return self.static.load(slots, lens, positions, tokens)
 
-    def static_done(self, rows: Sequence[int]) -> None:
-        """After a static step of `rows`: each layer's lengths read back (one host read) and
-        the pages taken ahead that no token reached returned."""
-        lens, ps = self.static.lengths.cpu(), self.page_size
-        for row in rows:
-            for layer, (pool, pages) in enumerate(zip(self.pools, self.tables[row], strict=True)):
-                n = int(lens[layer, self.slots[row]])
-                self.lengths[row][layer] = n
-                pool.release(pages[-(-n // ps) :])
-                del pages[-(-n // ps) :]
+    def static_done(self, rows: Sequence[int], lengths: Tensor | None = None) -> None:
+        """After a static step of `rows`: each layer's lengths (L, N slots), as the caller read
+        them back in its step's one transfer (None: read here), and the pages taken ahead that
+        no token reached returned."""
+        lens = self.static.lengths.cpu() if lengths is None else lengths
+        slots = torch.tensor([self.slots[row] for row in rows], dtype=torch.long)
+        for row, held in zip(rows, lens[:, slots].T.tolist(), strict=True):
+            self.lengths[row] = held
+        for row, layer in self._ahead:
+            pages, keep = self.tables[row][layer], -(-self.lengths[row][layer] // self.page_size)
+            self.pools[layer].release(pages[keep:])
+            del pages[keep:]
+        self._ahead = []
 
     def _append(self, layer: int, rows: list[int]) -> list[tuple[int, int, int]]:
         """One slot per entry row, in order (a fresh page where a slot starts one): the
         (page, offset, slot) of each."""
-        pool, ps, out = self.pools[layer], self.page_size, []
+        ps, out = self.page_size, []
         for row in rows:
             n = self.lengths[row][layer]
             if n >= self.max_len:
                 raise RuntimeError(
                     f"row {row} holds max_len={self.max_len} tokens in layer {layer}"
                 )
-            pages = self.tables[row][layer]
             if n % ps == 0:
-                pages.append(pool.allocate())
+                self._take(row, layer, 1)
             self.lengths[row][layer] = n + 1
+            pages = self.tables[row][layer]
             out.append((pages[n // ps], n % ps, n))
         return out
 
@@ -294,10 +322,8 @@ class PagedKVCache:
             pages = self.tables[row][layer][: -(-n // ps)]
             pad = pages[:1] or [0]  # a row holding nothing reads (masked) page 0
             table.append(pages + pad * (P - len(pages)))
-        idx = torch.tensor(table, dtype=torch.long, device=self.device)
-        R = len(rows)
-        K = pool.k[idx].view(R, P * ps, *pool.k.shape[2:])[:, :S].transpose(1, 2)
-        V = pool.v[idx].view(R, P * ps, *pool.v.shape[2:])[:, :S].transpose(1, 2)
+        idx = torch.tensor(table, dtype=torch.long, device=self.device).view(-1)
+        K, V = (read_pages(t, idx, len(rows))[:, :S].transpose(1, 2) for t in (pool.k, pool.v))
         return K, V
 
 
@@ -305,7 +331,8 @@ class PagedStatic(StaticCache):
     """The paged cache as a static decode step sees it (`static_cache.StaticDecoder`): a fixed
     batch of row slots over the same pools (as buffers), the slots' page tables (unused
     entries: the trash page), lengths, positions and which slots decode, on the device, set by
-    `PagedKVCache.static_step` before each step."""
+    `PagedKVCache.static_step` before each step. The page tables are kept on the host as pages
+    are taken and freed (`set_pages`, `clear`) and copied to the device when they changed."""
 
     def __init__(self, cache: PagedKVCache, rows: int) -> None:
         super().__init__()
@@ -321,6 +348,42 @@ class PagedStatic(StaticCache):
         self.register_buffer("lengths", torch.zeros(shape[:2], **long), False)
         self.register_buffer("pos", torch.zeros(rows, **long), False)
         self.register_buffer("active", torch.zeros(rows, dtype=torch.bool, device=cache.device))
+        self.table_h = torch.full(shape, self.trash, dtype=torch.long)  # the host's copy
+        self._dirty = False
+
+    def set_pages(self, layer: int, slot: int, start: int, pages: list[int]) -> None:
+        """The slot's pages `start:` in `layer` are `pages` (on the host until `load`)."""
+        if len(pages) == 1:
+            self.table_h[layer, slot, start] = pages[0]
+        elif pages:
+            self.table_h[layer, slot, start : start + len(pages)] = torch.tensor(pages)
+        self._dirty = True
+
+    def clear(self, slot: int, starts: Sequence[int] | None = None) -> None:
+        """The slot's page entries (per layer from `starts`, else all) back to the trash page."""
+        for layer, start in enumerate(starts or [0] * self.table_h.shape[0]):
+            self.table_h[layer, slot, start:] = self.trash
+        self._dirty = True
+
+    def load(
+        self, slots: Sequence[int], lens_NL: Tensor, positions: Sequence[int], tokens: Sequence[int]
+    ) -> Tensor:
+        """The step's state on the device: the page tables if they changed, the decoding
+        slots' lengths (`lens_NL`, host (n, layers)) and positions, the other slots inactive.
+        Returns each slot's token (N,) on the device."""
+        s = torch.tensor(slots, dtype=torch.long)
+        lens = torch.zeros(self.lengths.shape, dtype=torch.long)
+        lens[:, s] = lens_NL.T
+        pos, ids = torch.zeros(self.n_rows, dtype=torch.long), torch.zeros(self.n_rows).long()
+        pos[s], ids[s] = torch.tensor(positions), torch.tensor(tokens)
+        active = torch.zeros(self.n_rows, dtype=torch.bool)
+        active[s] = True
+        if self._dirty:
+            self.table.copy_(self.table_h)
+            self._dirty = False
+        for buf, value in ((self.lengths, lens), (self.pos, pos), (self.active, active)):
+            buf.copy_(value)
+        return ids.to(self.device)
 
     def place(self, layer: int, take_N: Tensor) -> tuple:
         """A taker's next slot: its page (taken ahead by `static_step`) and offset."""
@@ -332,9 +395,8 @@ class PagedStatic(StaticCache):
         """Every slot's pages of `layer` (as many as a row at full context): keys, values
         (N, n_kv_heads, S, head_dim) and the mask of filled slots."""
         table = self.table[layer]
-        R, P = table.shape
-        K, V = getattr(self, f"k{layer}")[table], getattr(self, f"v{layer}")[table]
-        K, V = (t.view(R, P * self.page_size, *t.shape[3:]).transpose(1, 2) for t in (K, V))
+        pools = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        K, V = (read_pages(t, table.view(-1), len(table)).transpose(1, 2) for t in pools)
         valid = torch.arange(K.shape[2], device=self.device) < self.lengths[layer][:, None]
         return K, V, valid[:, None, None, :]
 
@@ -346,12 +408,15 @@ class _Step:
     def __init__(self, cache: PagedKVCache, rows: list[int], positions: Tensor) -> None:
         self.cache, self.rows, self.positions = cache, rows, positions
         self.slots = [[-1] * len(rows) for _ in cache.pools]
+        self.one_each = len(set(rows)) == len(rows)  # decoding: one entry per row
 
     def upto(self, layer: int) -> list[int]:
         """Per entry, the slots of its row in `layer` at or before the entry's place: up to the
         last slot its row's entries up to it appended, else all the row held before this step
         (an entry that appended nothing, a skipper of a ``routing="mlp_kv"`` layer, reads)."""
         slots, lengths = self.slots[layer], self.cache.lengths
+        if self.one_each:  # an entry's row holds up to it: what it held, and what it appended
+            return [lengths[row][layer] for row in self.rows]
         held = {row: lengths[row][layer] for row in self.rows}
         for row, slot in zip(self.rows, slots, strict=True):
             held[row] -= slot >= 0  # appended by this step: not held before it
@@ -390,11 +455,10 @@ class PagedView:
         where = cache._append(layer, [step.rows[e] for e in self.entries])
         for e, (_, _, slot) in zip(self.entries, where, strict=True):
             step.slots[layer][e] = slot
-        pool = cache.pools[layer]
-        pages = torch.tensor([p for p, _, _ in where], device=cache.device)
-        offs = torch.tensor([o for _, o, _ in where], device=cache.device)
-        pool.k[pages, offs] = k[:, :, 0].to(cache.dtype)
-        pool.v[pages, offs] = v[:, :, 0].to(cache.dtype)
+        pool, ps = cache.pools[layer], cache.page_size
+        at = torch.tensor([p * ps + o for p, o, _ in where], device=cache.device)
+        for buf, new in ((pool.k, k), (pool.v, v)):  # one flat row per slot: index_copy_
+            buf.view(-1, *buf.shape[2:]).index_copy_(0, at, new[:, :, 0].to(cache.dtype))
 
     def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """For each entry, what its row holds in `layer` up to the entry's own place: keys,
@@ -466,14 +530,13 @@ class PagedPrefill:
         cache, ps = self.cache, self.cache.page_size
         pool = cache.pools[layer]
         counts = [T] * B if take_BT is None else take_BT.sum(1).cpu().tolist()
-        page_ids, offs = [], []
+        at = []  # each stored token's flat slot in the pool
         for row, n in zip(self.rows, counts, strict=True):
-            pages = cache.tables[row][layer]
-            pages += [pool.allocate() for _ in range(-(-n // ps))]
+            cache._take(row, layer, -(-n // ps))
             cache.lengths[row][layer] = n
-            page_ids += [pages[j // ps] for j in range(n)]
-            offs += [j % ps for j in range(n)]
-        if not page_ids:
+            pages = cache.tables[row][layer]
+            at += [pages[j // ps] * ps + j % ps for j in range(n)]
+        if not at:
             return
         k_NHD, v_NHD = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D)
         if take_BT is None:
@@ -481,10 +544,9 @@ class PagedPrefill:
         else:  # a boolean (B, T) index keeps row-major order: each row's takers in order
             take = take_BT.to(k.device)
             k_NHD, v_NHD = k_NHD[take], v_NHD[take]
-        pages_t = torch.tensor(page_ids, device=cache.device)
-        offs_t = torch.tensor(offs, device=cache.device)
-        pool.k[pages_t, offs_t] = k_NHD.to(cache.dtype)
-        pool.v[pages_t, offs_t] = v_NHD.to(cache.dtype)
+        at_t = torch.tensor(at, device=cache.device)
+        for buf, new in ((pool.k, k_NHD), (pool.v, v_NHD)):
+            buf.view(-1, *buf.shape[2:]).index_copy_(0, at_t, new.to(cache.dtype))
 
     def _refuse(self, *args: object) -> None:
         raise RuntimeError("a paged prefill only writes its prompts (no decode-step calls)")
