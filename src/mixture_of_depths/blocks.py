@@ -35,6 +35,7 @@ class Pass:
     cache: Cache | None = None
     decode: bool = False
     static: bool = False  # decoding every row under masks, no host read (static_cache.py)
+    skip_idle: bool = False  # static, run eagerly: a routed block no row takes is skipped
     valid_BT: Tensor | None = None
     lengths: Tensor | None = None  # (B,) on the device: real tokens per row
     # Filled by expert layers. A deque, not a list: wrappers that rebuild a block's arguments

@@ -148,33 +148,43 @@ def sample_next(
 
 
 # -- the drivers: the model's own forward, with a cache ------------------------------------------
-def routing_table(routes: list[Route], batch: int, seq_len: int) -> Tensor:
-    """The routes' decisions as one host bool tensor (B, T, n_routers), routers in layer order."""
+def routing_table(routes: list[Route], batch: int, seq_len: int, host: bool = True) -> Tensor:
+    """The routes' decisions as one bool tensor (B, T, n_routers), routers in layer order, on
+    the host (`host=False`: where the masks are, for a caller that reads them later)."""
     if not routes:
         return torch.zeros(batch, seq_len, 0, dtype=torch.bool)
-    return torch.stack([r.mask for r in routes], -1).cpu()
+    table = torch.stack([r.mask for r in routes], -1)
+    return table.cpu() if host else table
 
 
 @torch.no_grad()
 def prefill(
-    model: MoDTransformer, idx_BT: Tensor, lens: Tensor, cache: Cache, mode: str = "causal"
+    model: MoDTransformer,
+    idx_BT: Tensor,
+    lens: Tensor,
+    cache: Cache,
+    mode: str = "causal",
+    host: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Run right-padded prompts (B, T) with host lengths `lens` through the model, filling the
     empty `cache`. Returns the logits at each row's last prompt token (B, vocab) and the routing
-    decisions (B, T, n_routers) on the host."""
+    decisions (B, T, n_routers) on the host (`host=False`: where the model made them)."""
     B, T = idx_BT.shape
     out = model(idx_BT, routing=mode, cache=cache, lengths=lens, last_only=True)
-    return out.logits[:, 0], routing_table(out.routes, B, T)
+    return out.logits[:, 0], routing_table(out.routes, B, T, host)
 
 
 @torch.no_grad()
-def decode_step(model: MoDTransformer, tokens: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
+def decode_step(
+    model: MoDTransformer, tokens: Tensor, cache: Cache, host: bool = True
+) -> tuple[Tensor, Tensor]:
     """Feed one token (ids (n,)) to each row of `cache`, any `Cache` (a `KVCache` or some of its
     rows, a `StaticKVCache`, one step's entries of the server's paged cache); returns logits
-    (n, vocab) and the routing decisions (n, n_routers) on the host. Positions come from the
-    cache: each row's next one. With `prefill`, the one driver pair of every cache."""
+    (n, vocab) and the routing decisions (n, n_routers) on the host (`host=False`: where the
+    model made them). Positions come from the cache: each row's next one. With `prefill`, the
+    one driver pair of every cache."""
     out = model(tokens.to(cache.device)[:, None], routing="causal", cache=cache, last_only=True)
-    return out.logits[:, 0], routing_table(out.routes, len(tokens), 1)[:, 0]
+    return out.logits[:, 0], routing_table(out.routes, len(tokens), 1, host)[:, 0]
 
 
 # -- the loop -------------------------------------------------------------------------------------

@@ -106,6 +106,8 @@ class Selection:
                 self.sel_d = sel.to(p.cos.device)
                 self.pick = slice(int(sel[0]), int(sel[0]) + 1) if m == 1 else self.sel_d
                 self.cos, self.sin = p.cos[self.pick], p.sin[self.pick]
+        elif mode == "device" and p.skip_idle:  # one host read buys skipping an idle block
+            self.empty = not bool((take[:, 0] & p.cache.active).any())  # inactive slots too
 
     # -- the tokens -----------------------------------------------------------------------------
     def gather(self, x: Tensor) -> Tensor:

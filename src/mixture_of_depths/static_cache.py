@@ -130,11 +130,13 @@ class StaticDecoder(nn.Module):
     (N, vocab) and the routing decisions (N, n_routers) on the device, the cache updated in
     place. The model's own layer loop (`run_blocks`) with every routed (sub-)block under masks.
     Fixed shapes, no host sync: capture it (`graph_step`), or compile it, e.g.
-    ``torch.compile(decoder, mode="reduce-overhead", fullgraph=True)`` on a GPU."""
+    ``torch.compile(decoder, mode="reduce-overhead", fullgraph=True)`` on a GPU. `skip_idle`
+    (for a step run eagerly, never captured): a routed block that no active row takes is
+    skipped, as the entries' decode step skips it, at one host read of its decisions."""
 
-    def __init__(self, model: MoDTransformer, cache: nn.Module) -> None:
+    def __init__(self, model: MoDTransformer, cache: nn.Module, skip_idle: bool = False) -> None:
         super().__init__()
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.skip_idle = model, cache, skip_idle
         cfg = model.config  # the model's rotary tables, held for a captured step to index
         dtype = at_least_float32(cache.dtype)
         self.cos, self.sin = rope_tables(
@@ -146,7 +148,7 @@ class StaticDecoder(nn.Module):
         x = model.embed(tokens_N[:, None])
         pos = cache.positions()
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
-        p = Pass("causal", cos, sin, cache, decode=True, static=True)
+        p = Pass("causal", cos, sin, cache, decode=True, static=True, skip_idle=self.skip_idle)
         x, routes, _ = model.run_blocks(x, p)
         cache.advance(1)
         masks = [r.mask[:, 0] for r in routes]
@@ -181,10 +183,10 @@ def static_step(
     `StaticDecoder` captured now as one CUDA graph (`graph_step`: its warm-ups decode no slot
     of a new cache, whose positions each step sets) and replayed on each call's tokens, where
     the model is capturable (expert layers read their bounds on the host); else the decoder,
-    eager."""
-    decoder = StaticDecoder(model, cache)
+    eager, skipping the routed blocks no row takes (a graph cannot skip without a host read)."""
     if cache.device.type != "cuda" or model.config.has_experts:
-        return torch.no_grad()(decoder)
+        return torch.no_grad()(StaticDecoder(model, cache, skip_idle=True))
+    decoder = StaticDecoder(model, cache)
     idle = torch.zeros(len(cache.positions()), dtype=torch.long, device=cache.device)
     graph, static_in, static_out = graph_step(decoder, idle)
 

@@ -93,9 +93,9 @@ def test_new_rows_take_the_models_prefill_in_one_padded_forward(kind, monkeypatc
 
     calls = []
 
-    def spy(model, idx, lens, cache):  # noqa: ANN001
+    def spy(model, idx, lens, cache, **kw):  # noqa: ANN001, ANN003
         calls.append(lens.tolist())
-        return prefill(model, idx, lens, cache)
+        return prefill(model, idx, lens, cache, **kw)
 
     monkeypatch.setattr(engine_mod, "prefill", spy)
     model = serve_model(kind)

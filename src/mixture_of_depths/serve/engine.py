@@ -29,11 +29,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..generate import decode_step, prefill, right_pad, router_names, sample_next
+from ..generate import GREEDY_BELOW, decode_step, prefill, right_pad, router_names, sample_next
 from ..model import MoDTransformer
 from ..static_cache import static_step
 from .paged import PagedKVCache
-from .request import Request
+from .request import Request, wake_all
 from .scheduler import Row, Scheduler
 from .types import Event, QueueFull, RequestError, SamplingParams, ShuttingDown
 
@@ -102,6 +102,7 @@ class Engine:
             tokens_decoded_total=0,
         )
         self._takes = [0] * len(self.routers)
+        self._woken: list[Request] = []  # requests given events this step, not yet woken
         self._request_s = 1.0  # a running mean of request times, for Retry-After
 
     # -- the caller's side ----------------------------------------------------------------------
@@ -234,6 +235,9 @@ class Engine:
             log.exception("engine step failed; the running requests end with 'error'")
             for row in list(self.sched.running):
                 self._end(row, "error")
+        finally:  # one wake-up per event loop for the step's token events
+            wake_all(self._woken)
+            self._woken.clear()
         with self._cond:
             self._counts["steps_total"] += 1
             self._cond.notify_all()
@@ -283,10 +287,11 @@ class Engine:
         """The plan's forward, then each row's sampling and events. One row's failure fails its
         request alone (docs/serving.md, "Faults"): a failed forward is undone and its rows run
         one by one, so that only a row whose own forward fails ends; a row whose sampling fails
-        ends, the others sample on."""
+        ends, the others sample on. What the host reads of the step (the sampled tokens, their
+        logits' finiteness, the routing, the static step's lengths) comes in one transfer."""
         held = self.cache.snapshot([row.id for row, _ in plan])
         try:
-            out = self._forward(plan)
+            fw = self._forward(plan)
         except Exception as exc:
             self.cache.restore(held)  # the pages and lengths the forward took are returned
             if len(plan) == 1:
@@ -296,99 +301,179 @@ class Engine:
             for one in plan:
                 self._step([one])
             return
-        self._count_routing(plan, torch.cat([out[row.id][1] for row, _ in plan]))
-        for row, t in plan:
+        feeds = {row.id: t for row, t in plan}
+        ts = [feeds[row.id] for row in fw.rows]
+        ready = [i for i, (row, t) in enumerate(zip(fw.rows, ts, strict=True)) if row.left == t]
+        picked = [fw.rows[i] for i in ready]
+        logits = fw.logits if len(ready) == len(fw.rows) else fw.logits[ready]
+        tokens, finite, errors = self._sample(picked, logits)
+        tokens, finite, lens, *routing = to_host([tokens, finite, fw.lengths, *fw.routing])
+        if lens is not None:
+            self.cache.static_done([row.id for row in fw.static_rows], lens)
+        self._count_routing(fw.rows, ts, torch.cat([r.long() for r in routing]))
+        for row, t in zip(fw.rows, ts, strict=True):
             row.fed += t
-            if row.left == 0:
-                try:
-                    self._sample(row, out[row.id][0])
-                except Exception as exc:
-                    self._fail(row, exc)
+        sampled = list(zip(picked, tokens.tolist(), finite.tolist(), errors, strict=True))
+        for row, _, ok, error in sampled:
+            if error is None and not ok:  # the argmax of NaNs would be a token
+                error = FloatingPointError("the model's logits for this request are not finite")
+            if error is not None:
+                self._fail(row, error)
+        sampled = [(row, token) for row, token, ok, error in sampled if ok and error is None]
+        with self._cond:
+            self._counts["tokens_generated_total"] += len(sampled)
+        for row, token in sampled:
+            self._emit(row, token)
 
-    def _forward(self, plan: list[tuple[Row, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """New rows' first chunks through the model's prefill (one right-padded forward), the
-        other rows' tokens as one forward of entries: per row, its last logits and its routing."""
+    def _forward(self, plan: list[tuple[Row, int]]) -> _Forward:
+        """Decode rows through the static step (when the engine has one), new rows' first
+        chunks through the model's prefill (one right-padded forward), the other rows' tokens
+        as one forward of entries: each row's last logits and every fed token's routing, left
+        where the model made them."""
         new = [(row, t) for row, t in plan if row.fed == 0]
         rest = [(row, t) for row, t in plan if row.fed > 0]
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        fw = _Forward()
         if self.static:  # one token per row: the static step; chunks: entries, as ever
-            self._static_forward([row for row, t in rest if t == 1], out)
+            self._static_forward([row for row, t in rest if t == 1], fw)
             rest = [(row, t) for row, t in rest if t > 1]
         if new:
             view = self.cache.prefill([row.id for row, _ in new])
             idx, lens = right_pad([row.request.tokens[:t] for row, t in new], self.device)
-            logits, table = prefill(self.model, idx, lens, view)
-            for i, (row, t) in enumerate(new):
-                out[row.id] = logits[i : i + 1], table[i, :t]
+            logits, table = prefill(self.model, idx, lens, view, host=False)
+            fw.add([row for row, _ in new], logits, [table[i, :t] for i, (_, t) in enumerate(new)])
         if rest:
-            rows, positions, tokens = [], [], []
+            rows, positions, tokens, last = [], [], [], []
             for row, t in rest:
                 rows += [row.id] * t
                 positions += range(row.fed, row.fed + t)
                 tokens += row.request.tokens[row.fed : row.fed + t]
+                last.append(len(rows) - 1)
             view = self.cache.step(rows, positions)
-            logits, routing = decode_step(self.model, torch.tensor(tokens), view)
-            i = 0
-            for row, t in rest:
-                out[row.id] = logits[i + t - 1 : i + t], routing[i : i + t]
-                i += t
-        return out
+            logits, routing = decode_step(self.model, torch.tensor(tokens), view, host=False)
+            fw.add([row for row, _ in rest], logits[last], [routing])
+        return fw
 
-    def _static_forward(self, rows: list[Row], out: dict) -> None:
+    def _static_forward(self, rows: list[Row], fw: _Forward) -> None:
         """The rows' next tokens through the static decode step over the paged cache's row
-        slots (`PagedKVCache.static_step`), then their lengths read back."""
+        slots (`PagedKVCache.static_step`); their lengths are read with the step's tokens."""
         if not rows:
             return
-        ids, fed = [row.id for row in rows], [row.fed for row in rows]
-        tokens = self.cache.static_step(ids, fed, [r.request.tokens[r.fed] for r in rows])
+        ids = [row.id for row in rows]
+        tokens = self.cache.static_step(
+            ids, [r.fed for r in rows], [r.request.tokens[r.fed] for r in rows]
+        )
         logits, routing = self.decoder(tokens)
-        self.cache.static_done(ids)
-        routing = routing.cpu()
-        for row in rows:
-            s = self.cache.slots[row.id]
-            out[row.id] = logits[s : s + 1], routing[s : s + 1]
+        s = torch.tensor([self.cache.slots[i] for i in ids], device=self.device)
+        fw.add(rows, logits[s], [routing[s]])
+        fw.static_rows, fw.lengths = rows, self.cache.static.lengths
 
     def _fail(self, row: Row, exc: Exception) -> None:
         """End one request with an error (its pages freed), the rest of the batch untouched."""
         log.error("request %s failed: %r", row.request.id, exc, exc_info=exc)
         self._end(row, "error", exc)
 
-    def _count_routing(self, plan: list[tuple[Row, int]], routing: torch.Tensor) -> None:
+    def _count_routing(self, rows: list[Row], ts: list[int], routing: torch.Tensor) -> None:
         """Take-rates over generated tokens fed back, each counted once (not again when a
-        preempted request recomputes them)."""
-        i, took, decoded = 0, torch.zeros(routing.shape[1], dtype=torch.long), 0
-        for row, t in plan:
+        preempted request recomputes them): one sum over the counted entries of `routing`."""
+        i, counted = 0, []
+        for row, t in zip(rows, ts, strict=True):
             request = row.request
             first = max(row.fed, request.prompt_tokens + request.decoded)
             if row.fed + t > first:
-                took += routing[i + first - row.fed : i + t].sum(0)
-                decoded += row.fed + t - first
+                counted += range(i + first - row.fed, i + t)
                 request.decoded += row.fed + t - first
             i += t
+        took = routing[counted].long().sum(0).tolist() if counted else [0] * len(self._takes)
         with self._cond:
-            self._counts["tokens_decoded_total"] += decoded
-            self._takes = [a + int(b) for a, b in zip(self._takes, took.tolist(), strict=True)]
+            self._counts["tokens_decoded_total"] += len(counted)
+            self._takes = [a + b for a, b in zip(self._takes, took, strict=True)]
 
-    def _sample(self, row: Row, logits: torch.Tensor) -> None:
+    def _sample(
+        self, rows: list[Row], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Exception | None]]:
+        """Each row's next token (on the device, unread), whether its logits are finite, and
+        the error its sampling raised: the greedy rows in one argmax, each other row with its
+        own settings and generator on its own logits, as `generate` samples it."""
+        tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        finite = torch.isfinite(logits).all(-1)
+        errors: list[Exception | None] = [None] * len(rows)
+        greedy = [i for i, r in enumerate(rows) if r.request.params.temperature < GREEDY_BELOW]
+        alone = [i for i, r in enumerate(rows) if r.request.params.temperature >= GREEDY_BELOW]
+        if greedy:
+            try:
+                tokens[greedy] = sample_next(logits[greedy], 0.0)
+            except Exception:  # noqa: BLE001  (find the row at fault: each alone)
+                alone = sorted(greedy + alone)
+        if alone:  # a row of NaNs samples from zeros (a CUDA device assert otherwise), then fails
+            safe = torch.where(finite[:, None], logits, 0.0)
+        for i in alone:
+            p = rows[i].request.params
+            try:
+                tokens[i] = sample_next(
+                    safe[i : i + 1], p.temperature, p.top_k, p.top_p, rows[i].request.generator
+                )[0]
+            except Exception as exc:
+                errors[i] = exc
+        return tokens, finite, errors
+
+    def _emit(self, row: Row, token: int) -> None:
+        """A sampled token: its event (its readers woken once the step has pushed them all),
+        and the row's end at end-of-text, a stop string or `max_tokens`."""
         request, p = row.request, row.request.params
-        if not bool(torch.isfinite(logits).all()):  # the argmax of NaNs would be a token
-            raise FloatingPointError("the model's logits for this request are not finite")
-        token = int(sample_next(logits, p.temperature, p.top_k, p.top_p, request.generator)[0])
-        with self._cond:
-            self._counts["tokens_generated_total"] += 1
         if p.stop_at_eos and token == self.eos_id:
             self._end(row, "stop")
             return
         request.tokens.append(token)
         text, stopped = request.text.add(token)
         n = len(request.generated)
-        request.push(
-            Event(token=token, text=text, prompt_tokens=request.prompt_tokens, completion_tokens=n)
-        )
+        event = Event(token=token, text=text, prompt_tokens=request.prompt_tokens,
+                      completion_tokens=n)  # fmt: skip
+        request.push(event, wake=False)
+        self._woken.append(request)
         if stopped:
             self._end(row, "stop")
         elif n >= p.max_tokens:
             self._end(row, "length")
+
+
+class _Forward:
+    """One step's forward, as the engine reads it: its rows in output order, each row's last
+    logits (R, vocab), its fed tokens' routing (pieces, each (entries, n_routers), in the rows'
+    order) and, after a static step, its rows and the cache's lengths (layers, slots)."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self._logits: list[torch.Tensor] = []
+        self.routing: list[torch.Tensor] = []
+        self.static_rows: list[Row] = []
+        self.lengths: torch.Tensor | None = None
+
+    def add(self, rows: list[Row], logits: torch.Tensor, routing: list[torch.Tensor]) -> None:
+        self.rows += rows
+        self._logits.append(logits)
+        self.routing += routing
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self._logits[0] if len(self._logits) == 1 else torch.cat(self._logits)
+
+
+def to_host(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The tensors on the host (None stays None): those on a device moved in one transfer (a
+    step's one sync), as long integers; those already on the host as they are."""
+    moved = [t for t in tensors if t is not None and t.device.type != "cpu"]
+    if not moved:
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1).long() for t in moved]).cpu()
+    out: list[torch.Tensor | None] = []
+    i = 0
+    for t in tensors:
+        if t is None or t.device.type == "cpu":
+            out.append(t)
+            continue
+        out.append(flat[i : i + t.numel()].view(t.shape))
+        i += t.numel()
+    return out
 
 
 def _check_params(p: SamplingParams, n: int, ctx: int, has_tokenizer: bool) -> None:

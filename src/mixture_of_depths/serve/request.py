@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
 import torch
 
@@ -97,7 +97,7 @@ class Request:
         self._cancel = cancel
         self._events: list[Event] = []
         self._cond = threading.Condition()
-        self._wakers: list[Callable[[], None]] = []
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._done = threading.Event()
 
     @property
@@ -105,13 +105,14 @@ class Request:
         return self.tokens[self.prompt_tokens :]
 
     # -- written by the engine ------------------------------------------------------------------
-    def push(self, event: Event) -> None:
+    def push(self, event: Event, wake: bool = True) -> None:
+        """Add an event; its asyncio readers are woken now, or (`wake=False`) by the engine's
+        `wake_all` once its step has pushed every row's event."""
         with self._cond:
             self._events.append(event)
             self._cond.notify_all()
-            wakers = list(self._wakers)
-        for wake in wakers:
-            wake()
+        if wake:
+            wake_all([self])
         if event.finish_reason is not None:
             self._done.set()
 
@@ -151,17 +152,10 @@ class Request:
         """The events from the first, for asyncio: the scheduler thread wakes this loop with
         `call_soon_threadsafe`. Closing the iterator before the finish event (a client that
         went away) cancels the request."""
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the loop is closed: nobody is listening
-                pass
-
+        waker = (asyncio.get_running_loop(), asyncio.Event())
+        ready = waker[1]
         with self._cond:
-            self._wakers.append(wake)
+            self._wakers.append(waker)
         i, finished = 0, False
         try:
             while not finished:
@@ -179,7 +173,7 @@ class Request:
                         break
         finally:
             with self._cond:
-                self._wakers.remove(wake)
+                self._wakers.remove(waker)
             if not finished:
                 self._cancel(self.id)
 
@@ -191,3 +185,23 @@ class Request:
         with self._cond:
             text = "".join(e.text for e in self._events)
         return list(self.generated), text, str(self.finish_reason)
+
+
+def wake_all(requests: Iterable[Request]) -> None:
+    """Wake the asyncio readers of `requests` with one call per event loop, not one per event:
+    each call writes to the loop's self-pipe and takes a turn of the loop (and of the GIL)."""
+    ready: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for request in requests:
+        with request._cond:
+            for loop, event in request._wakers:
+                ready.setdefault(loop, []).append(event)
+    for loop, events in ready.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
