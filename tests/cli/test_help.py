@@ -48,3 +48,25 @@ def test_every_config_field_says_what_it_means_in_its_flag(cls):
     described = FIELD_HELP[cls.__name__]
     assert names == set(described), names ^ set(described)
     assert all(text.strip() for text in described.values())
+
+
+def test_every_flag_with_a_default_says_it_in_its_help():
+    """A flag whose default is a value (not None or off) shows it in `mod CMD --help` (issue 56,
+    item 7): through ShowDefaults, or its own text's "(default: ...)"."""
+    import argparse
+
+    from mixture_of_depths.cli import build_parser
+    from mixture_of_depths.cli.flags import ShowDefaults
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            d = action.default
+            if not action.option_strings or d is None or d is False or d == argparse.SUPPRESS:
+                continue
+            text = action.help or ""
+            shown = text and ("default" in text or parser.formatter_class is ShowDefaults)
+            if not shown:  # argparse prints nothing for a flag without help, ShowDefaults or not
+                silent.append(f"mod {name} {action.option_strings[-1]} (default {d!r})")
+    assert not silent, silent

@@ -14,13 +14,14 @@ from ..runtime.checkpoint import load_model, read_json_file, resolve_checkpoint,
 from ..runtime.device import resolve_device
 from ..train.calibrate import BATCHES, calibrate_model, calibration_header, format_calibration
 from ..train.evaluate import run_batches
-from .flags import OUT_CHECKPOINT
+from .flags import OUT_CHECKPOINT, ShowDefaults
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="fit each router's causal threshold so that its take-rate is the capacity",
+        formatter_class=ShowDefaults,
         description="Fit, router by router in forward order, the threshold on the causal score "
         "(the aux-loss router's logit, or the predictor's) that makes the causal take-rate on "
         "held-out text equal the capacity, and write CHECKPOINT again to --out with the "
@@ -40,7 +41,7 @@ def add_parser(sub: Any, name: str) -> None:
         "validation text gives fewer. Take-rates vary much from one batch to the next, so the "
         f"default is more than a run's usual evaluation (default: {BATCHES})",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto: cuda if there is one, else cpu")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

@@ -16,19 +16,20 @@ from ..data import load_tokenizer
 from ..generate import Generation, router_names
 from ..runtime.checkpoint import load_model, resolve_checkpoint
 from ..runtime.device import resolve_device
-from .flags import add_checkpoint, checkpoint_arg
+from .flags import ShowDefaults, add_checkpoint, checkpoint_arg
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="sample text causally from a checkpoint, streaming",
+        formatter_class=ShowDefaults,
         description="Sample from a trained model with causal routing and a KV cache that holds "
         "only the tokens that took each routed block.",
     )
     add_checkpoint(p, "checkpoint directory (or a run folder)")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample at most")
     p.add_argument(
         "--temperature",
         type=float,
@@ -38,7 +39,13 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="makes the sample reproducible")
-    p.add_argument("--prefill", choices=("causal", "topk"), default="causal")
+    p.add_argument(
+        "--prefill",
+        choices=("causal", "topk"),
+        default="causal",
+        help="how the prompt is routed: causal, as decoding decides, or the paper's top-k "
+        "(an approximation)",
+    )
     p.add_argument(
         "--show-routing",
         action="store_true",
@@ -52,7 +59,7 @@ def add_parser(sub: Any, name: str) -> None:
         help="--show-routing's colours: auto (on a terminal, unless NO_COLOR is set), always "
         "(e.g. into less -R), never (default: auto)",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto: cuda if there is one, else cpu")
 
 
 # 256-colour ANSI shades from cold (no routed block taken) to hot (all taken).

@@ -16,6 +16,7 @@ from ..model import MoDTransformer
 from ..runtime.checkpoint import load_config
 from .flags import (
     DEFAULT_PRESET,
+    ShowDefaults,
     add_checkpoint,
     add_dataclass_flags,
     add_preset_flag,
@@ -28,13 +29,14 @@ def add_flops(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="FLOPs per layer and KV-cache bytes, beside the dense twin",
+        formatter_class=ShowDefaults,
         description="Analytic FLOPs of a model (training, top-k forward, decode) per layer, "
         "counted the way torch's FlopCounterMode counts them, beside its dense twin.",
     )
     add_checkpoint(p, "take the model config from a checkpoint (default: --preset's)")
     add_preset_flag(p)
     p.add_argument("--seq-len", type=int, default=None, help="(default: the model's max_seq_len)")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per forward")
     p.add_argument(
         "--take-rate",
         type=float,

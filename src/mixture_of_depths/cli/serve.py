@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checks import Range
 from ..serve.types import Access, Limits, key_problem, parse_hosts
+from .flags import ShowDefaults
 
 EXTRA = "mod serve needs the [serve] extra: pip install -e '.[serve]'"
 
@@ -24,6 +25,7 @@ def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
         name,
         help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        formatter_class=ShowDefaults,
         description="Serve a MoD (or dense) checkpoint: POST /v1/completions (streaming too), "
         "GET /v1/models, /health and /metrics (Prometheus). Requests join the running batch "
         "at the next step; each routed layer's KV cache is paged. SIGTERM stops admitting, "
@@ -104,11 +106,12 @@ def add_parser(sub: Any, name: str) -> None:
         default=limits.body_timeout_s,
         help="seconds a request's body may take after its headers, else 408 (default: %(default)g)",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto: cuda if there is one, else cpu")
     p.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="info",
+        help="the server's log level",
     )
 
 
