@@ -102,8 +102,8 @@ class PagePool:
 
 def read_pages(pool: Tensor, idx: Tensor, rows: int) -> Tensor:
     """The pages `idx` (rows * P,) of `pool` (pages, page_size, H, D) as (rows, P * page_size,
-    H, D): whole pages copied as flat rows (index_select), several times cheaper on a CPU than
-    indexing the 4-d pool with a 2-d table."""
+    H, D): whole pages copied as flat rows (index_select), cheaper on a CPU than indexing the
+    4-d pool with a 2-d table (an element-wise copy)."""
     flat = pool.view(pool.shape[0], -1).index_select(0, idx)
     return flat.view(rows, -1, *pool.shape[2:])
 
@@ -201,20 +201,20 @@ class PagedKVCache:
             self.static.set_pages(layer, self.slots[row], len(pages), new)
         pages += new
 
-    def snapshot(self, rows: Sequence[int]) -> dict[int, list[tuple[int, int]]]:
-        """Per row and layer, (pages, tokens) held: what `restore` undoes a failed forward to."""
-        pairs = {r: zip(self.tables[r], self.lengths[r], strict=True) for r in rows}
-        return {r: [(len(p), n) for p, n in held] for r, held in pairs.items()}
+    def snapshot(self, rows: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
+        """Per row, the pages and tokens each layer holds: what `restore` undoes a failed
+        forward to (taken every step: copies of the host's lists, no per-layer Python)."""
+        return {r: (list(map(len, self.tables[r])), self.lengths[r][:]) for r in rows}
 
-    def restore(self, held: dict[int, list[tuple[int, int]]]) -> None:
+    def restore(self, held: dict[int, tuple[list[int], list[int]]]) -> None:
         """Return the pages and slots taken since `snapshot` (what they hold is never read)."""
-        for row, was in held.items():
-            for pool, pages, (n_pages, _) in zip(self.pools, self.tables[row], was, strict=True):
-                pool.release(pages[n_pages:])
-                del pages[n_pages:]
-            self.lengths[row] = [n for _, n in was]
+        for row, (n_pages, lengths) in held.items():
+            for pool, pages, n in zip(self.pools, self.tables[row], n_pages, strict=True):
+                pool.release(pages[n:])
+                del pages[n:]
+            self.lengths[row] = lengths
             if row in self.slots:
-                self.static.clear(self.slots[row], [n_pages for n_pages, _ in was])
+                self.static.clear(self.slots[row], n_pages)
         self._ahead = []
 
     def pages_held(self, row: int) -> list[int]:
