@@ -34,11 +34,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "recursion_capacities": (1.0, 0.25, 0.125),
     },  # fmt: skip
     # Long contexts: small at 1024 tokens with only the MLP routed, attention for every token,
-    # and its dense twin. Round 3 of the study (experiments/round3, d_model 96 and 4 layers, not
-    # this shape): at 1024 tokens MoD with routed attention was 13% behind dense at equal FLOPs,
-    # MLP-only routing level with dense or ahead at lr 2e-3 (-4.1% in the mean of three seeds,
-    # inside its spread), and level within its spread with dense at dense's better 4e-3 (+3.2%,
-    # behind on all three seeds).
+    # and its dense twin: the variant round 3 found closest to dense at 1024 tokens (its
+    # verdicts, at d_model 96 and 4 layers, not this shape: experiments/round3/report.md).
     "small-long": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "DR", "routing": "mlp"},
     "small-long-dense": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "D"},
     "base": {**_BASE, "layer_pattern": "DR"},
