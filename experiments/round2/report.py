@@ -48,7 +48,8 @@ def ablation_table(
     found = found or {}
     lines = [
         f"| variant | seeds | loss top-k | loss causal | seed spread | vs {vs_what} (causal) | "
-        f"verdict vs {vs_what} | causal take-rate | routing acc. | tokens taking no block | "
+        f"verdict vs {vs_what} | causal take-rate | the paper's routing acc. | "
+        "tokens taking no block | "
         "newline share of takes (their share of the text) | Spearman's rho, blocks taken vs "
         "entropy |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -304,8 +305,9 @@ def _ablation_section(
         "Random routing's causal decision takes each token with the capacity's probability (or "
         "the aux-loss model's measured rates), so its compute matches learned routing's in both "
         "modes. Causal take-rate: the share of tokens a routed block takes in causal mode (the "
-        f"capacity is {MOD['capacity']:.1%}); routing accuracy: how often that decision agrees "
-        "with top-k. The "
+        f"capacity is {MOD['capacity']:.1%}); the paper's routing accuracy: how often that decision "
+        "agrees with top-k (a router that takes no token scores 1 - capacity; these runs logged "
+        "no recall or precision of the top-k set). The "
         "routing profile (last three columns) is each seed's (seed 0 / seed 1), on held-out "
         "text, in causal mode; rho near 0 means the blocks a token takes say nothing about how "
         "unsure the model is of the next token.",
@@ -389,7 +391,7 @@ def _context_sections(results: list[dict[str, Any]], s: Round2Settings) -> list[
         lines += [
             "",
             "| model | seed | budget | params | FLOPs/fwd token | steps | val loss top-k | "
-            "val loss causal | routing acc. | train tok/s |",
+            "val loss causal | the paper's routing acc. | train tok/s |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(rows, key=lambda r: (r["budget"], r["label"], r["seed"])):
