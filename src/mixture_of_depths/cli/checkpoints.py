@@ -26,7 +26,7 @@ def add_export(sub: Any, name: str) -> None:
     )
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/mod/checkpoint)")
     to = p.add_mutually_exclusive_group(required=True)
-    to.add_argument("--hf", metavar="OUT", help="new folder of our model type (must not exist)")
+    to.add_argument("--hf", metavar="OUT", help="the folder to write (new, or empty)")
     to.add_argument(
         "--llama",
         metavar="OUT",
