@@ -356,6 +356,53 @@ def test_statistics_of_constant_routing_say_why_they_are_undefined(tmp_path, cap
         assert "nan" not in where.lower()
 
 
+def test_one_row_of_text_says_its_intervals_need_two_rows(tmp_path, capsys):
+    """`--text` is one row (window): the bootstrap resamples whole rows and the excess interval
+    is clustered by row, so one row has no interval. report.md and the page say so (it needs two
+    or more) instead of "+nan to +nan" or "±nan"; two rows of held-out text give intervals."""
+    from mixture_of_depths.cli import main
+    from mixture_of_depths.data import ByteTokenizer
+    from mixture_of_depths.inspect import Report, interval_text
+    from mixture_of_depths.runtime.checkpoint import save_checkpoint
+
+    model = make_model(tiny_config(vocab_size=257, causal_router="predictor"), dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", model, model.config, tokenizer=ByteTokenizer())
+    dense = make_model(tiny_config(vocab_size=257).dense_twin(), dtype=torch.float32, seed=3)
+    base = save_checkpoint(tmp_path / "dense", dense, dense.config, tokenizer=ByteTokenizer())
+    out = tmp_path / "inspect"
+    text = "def f(x):\n    return x + 1  # one\n" * 3
+    argv = ["inspect", str(ckpt), "--text", text, "--out", str(out), "--baseline", str(base)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    numbers = json.loads((out / "report.json").read_text())
+    assert (
+        numbers["correlations"]["depth_vs_entropy"]["rho"]
+        == numbers["correlations"]["depth_vs_entropy"]["rho"]
+    )  # routing varies: rho has a value, only its interval has none
+    report = (out / "report.md").read_text()
+    page = (out / "index.html").read_text()
+    numbers_html = page[page.index('<div class="numbers">') :]
+    why = "no bootstrap interval: it resamples whole rows (windows) and needs two or more, here 1"
+    assert report.count(why) == 3 and numbers_html.count(why) == 3  # entropy, loss, baseline
+    assert "(no interval: one row)" in report
+    for where in (report, numbers_html):
+        assert "nan" not in where.lower()
+    # two rows: an interval of numbers (the oracle: the Report's own bounds)
+    rep = Report.__new__(Report)
+    rep.tokens, rep.row_len = torch.zeros(4, dtype=torch.long), 2
+    rep.loss = torch.tensor([1.0, float("nan"), 2.0, float("nan")])
+    rep.correlations = {"depth_vs_entropy": {"rho": 0.5, "low": 0.1, "high": 0.9, "n": 4}}
+    assert (
+        interval_text(rep, "depth_vs_entropy")
+        == "95% bootstrap interval over rows +0.1000 to +0.9000"
+    )
+    rep.correlations["depth_vs_loss"] = {"rho": 0.5, "low": math.nan, "high": math.nan, "n": 2}
+    assert (
+        interval_text(rep, "depth_vs_loss")
+        == "no bootstrap interval: no resample had a defined rho"
+    )
+
+
 def test_inspect_refuses_an_out_folder_that_is_not_its_own_and_reruns_in_its_own(tmp_path, capsys):
     """--out over a folder of other files is refused before anything is written (export and
     convert refuse any non-empty folder); a previous output of `mod inspect` (its file names,

@@ -196,6 +196,22 @@ def rho_text(report: Report, key: str, digits: int = 3) -> str:
     return f"undefined ({why})" if why else f"{report.correlations[key]['rho']:+.{digits}f}"
 
 
+def interval_text(report: Report, key: str) -> str:
+    """The 95% bootstrap interval of correlation `key` as text, or why there is none: it resamples
+    whole rows (windows), so one row (a short ``--text``) gives no interval, not ``+nan``."""
+    v = report.correlations[key]
+    if v["low"] == v["low"]:
+        return f"95% bootstrap interval over rows {v['low']:+.4f} to {v['high']:+.4f}"
+    rows = report.row if key == "depth_vs_entropy" else report.row[~report.loss.isnan()]
+    n = len(torch.unique(rows))
+    if n < 2:
+        return (
+            f"no bootstrap interval: it resamples whole rows (windows) and needs two or more, "
+            f"here {n}"
+        )
+    return "no bootstrap interval: no resample had a defined rho"
+
+
 def variance_ratio_text(report: Report, of: str = "the independent one") -> str:
     """The variance of blocks taken against `of` (its value under independent coins) as text:
     "1.23x OF", or "over OF undefined (why)"."""

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from ..probes import REACH_FAR
-from .analysis import Report, loss_by, loss_by_run, rho_text, variance_ratio_text
+from .analysis import (
+    Report,
+    interval_text,
+    loss_by,
+    loss_by_run,
+    rho_text,
+    variance_ratio_text,
+)
 from .stats import mean_interval
 
 
@@ -104,7 +111,7 @@ def _loss_tables(report: Report) -> list[str]:
             if excess:
                 row += (
                     f" {v['mean_baseline_loss']:.4f} | {v['mean_excess']:+.4f} "
-                    f"(±{v['excess_half_width']:.4f}) |"
+                    f"{_half_width(v['excess_half_width'])} |"
                 )
             lines.append(row)
     if excess:
@@ -112,10 +119,15 @@ def _loss_tables(report: Report) -> list[str]:
         mean, half = mean_interval(report.excess[ok], report.row[ok])
         lines += [
             "",
-            f"All tokens: excess loss over the baseline {mean:+.4f} (±{half:.4f}). Intervals "
+            f"All tokens: excess loss over the baseline {mean:+.4f} {_half_width(half)}. Intervals "
             "are 95%, clustered by row (tokens of one row are not independent).",
         ]
     return lines
+
+
+def _half_width(half: float) -> str:
+    """An interval's half-width in brackets, or why there is none (one row: no spread of rows)."""
+    return f"(±{half:.4f})" if half == half else "(no interval: one row)"
 
 
 def _correlations(report: Report) -> list[str]:
@@ -128,7 +140,7 @@ def _correlations(report: Report) -> list[str]:
         if v["rho"] != v["rho"]:  # NaN: say why, with no interval of NaNs
             lines.append(f"- {name}: Spearman rho {rho_text(report, key)} (n = {v['n']})")
             continue
-        interval = f"95% bootstrap interval over rows {v['low']:+.4f} to {v['high']:+.4f}"
+        interval = interval_text(report, key)
         lines.append(f"- {name}: Spearman rho {v['rho']:+.4f} ({interval}, n = {v['n']})")
     return lines
 
