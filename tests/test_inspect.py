@@ -251,6 +251,8 @@ def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys, routing):
     assert "http" not in page.replace("http-equiv", "")  # self-contained: nothing to fetch
     report = (out / "report.md").read_text()
     assert f"{len(text)} held-out tokens" in report and "| letters/identifiers |" in report
+    # the page shows report.md's tables as tables, not as raw markdown
+    assert page.count("<table>") == report.count("\n|---") >= 5 and "<pre" not in page
     # the copy probe, in the numbers, the page and report.json: the probe run directly (oracle)
     from mixture_of_depths.probes import copy_probe
 
@@ -291,6 +293,22 @@ def test_mod_inspect_writes_its_pictures_and_numbers(tmp_path, capsys, routing):
     argv[-1] = str(odd)
     assert main(argv) == 2
     assert "another tokenizer" in capsys.readouterr().err
+
+
+def test_the_committed_pages_show_their_numbers_as_tables():
+    """docs/inspect/*/index.html show their report.md's tables as tables (the page once held
+    them raw in one <pre>), and each page's numbers are its report.md's."""
+    from pathlib import Path
+
+    from mixture_of_depths.inspect.report import markdown_html
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "inspect"
+    pages = sorted(root.glob("*/index.html"))
+    assert len(pages) >= 2
+    for page in pages:
+        text, report = page.read_text(), (page.parent / "report.md").read_text()
+        assert "<pre" not in text and text.count("<table>") == report.count("\n|---") >= 3
+        assert f'<div class="numbers">{markdown_html(report)}</div>' in text, page
 
 
 def test_the_page_renders_in_a_real_browser(tmp_path):
