@@ -7,7 +7,11 @@ DIR: the kept checkpoints, ``<work>-kept``).
   (`experiments.common.measure.decode_speeds`: CPU, one thread, interleaved rounds, the
   median; batch 1 and 8) and the KV bytes per token its cache held.
 
-Both are resumable (a finished row is kept) and rewrite the report at the end.
+Both are resumable (a finished row is kept) and rewrite the report at the end. A kept model
+that is gone (the work folder and its kept copies do not outlive the machine they trained on)
+is trained again from its result row with ``--retrain``: on one thread training repeats
+itself, so its loss must come out as the row's, and a retrained model whose loss differs stops
+the measure rather than stand in for the run.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 
 from mixture_of_depths.fileio import json_text
 from mixture_of_depths.runtime.checkpoint import load_model
-from mixture_of_depths.studies.runner import load_results
+from mixture_of_depths.studies.profiles import keep
+from mixture_of_depths.studies.runner import RunSpec, load_results, run_one
 
 from ..common import measure
 from . import STUDY, lookback
@@ -41,17 +46,48 @@ def probe_all(kept: Path, out: Path, data: str | None) -> None:
         print(f"{ckpt.name}: repeat {row['repeat_score']:+.3f}, recall {row['recall_score']:+.3f}")
 
 
+# how far a retrained run's loss may move from its row's: float sums in another order (a
+# machine's other BLAS) move the fifth decimal; a different run moves the second
+SAME_LOSS = 1e-3
+
+
+def retrain(
+    names: list[str], out: Path, kept: Path, work: Path, data: str | None, grid: Any = None
+) -> None:
+    """Train the runs `names` again from their rows in ``results.jsonl`` into `work` and keep
+    their models in `kept`; each loss must be its row's (`SAME_LOSS`). `grid`: the study's
+    settings the runs trained under (default: the full round's)."""
+    grid = STUDY.settings(False).grid if grid is None else grid
+    rows = {r["name"]: r for r in load_results(out / "results.jsonl")}
+    for name in names:
+        if (kept / name / "model.safetensors").exists():
+            continue
+        if name not in rows:
+            raise SystemExit(f"{name}: no such row in {out / 'results.jsonl'} to train again")
+        row = run_one(RunSpec.from_row(rows[name]), grid, work, data)
+        gap = row["val_loss_causal"] - rows[name]["val_loss_causal"]
+        print(f"{name} trained again: causal loss {row['val_loss_causal']:.4f} ({gap:+.2e})")
+        if abs(gap) > SAME_LOSS:
+            raise SystemExit(f"{name}: the retrained loss differs by {gap:+.4f}: not the run")
+        keep(work / name / "checkpoint", kept / name)
+
+
+def best_runs(out: Path) -> dict[str, str | None]:
+    """Each family's best run (findings.json's ``best_runs``; dense's under "dense")."""
+    return json.loads((out / "findings.json").read_text())["best_runs"]
+
+
 def decode_all(kept: Path, out: Path, data: str | None) -> None:
     """Decode speed and KV bytes of each family's best run beside dense's (findings.json's
     ``best_runs``), unless ``decode.jsonl`` has them."""
     path = out / "decode.jsonl"
     if load_results(path):
         return
-    best: dict[str, str | None] = json.loads((out / "findings.json").read_text())["best_runs"]
+    best = best_runs(out)
     ckpts = {fam: kept / n for fam, n in best.items() if n is not None and (kept / n).exists()}
     missing = sorted(set(best) - set(ckpts))
     if missing or "dense" not in ckpts:
-        raise SystemExit(f"no kept checkpoint for {missing}: train (or rerun) them first")
+        raise SystemExit(f"no kept checkpoint for {missing}: give --retrain to train them again")
     seq_len = load_model(ckpts["dense"])[1].max_seq_len
     speeds = measure.decode_speeds(ckpts, seq_len, data)
     rows = []
@@ -72,8 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(HERE), help="the study's results (default: its folder)")
     ap.add_argument("--data", default=None, help="the corpus the runs trained on (default: stdlib)")
     ap.add_argument("--skip-decode", action="store_true", help="the probes only")
+    ap.add_argument(
+        "--retrain", metavar="WORK", default=None,
+        help="train each best run whose kept model is gone again, in WORK (its loss must be "
+        "its row's), and keep it",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     out, kept = Path(args.out), Path(args.kept)
+    if args.retrain and not args.skip_decode:
+        retrain([n for n in best_runs(out).values() if n], out, kept, Path(args.retrain), args.data)
     probe_all(kept, out, args.data)
     if not args.skip_decode:
         decode_all(kept, out, args.data)

@@ -1,0 +1,48 @@
+"""A kept model that is gone is trained again from its result row, and stands in for the run
+only where its loss is the row's (training repeats itself on one thread)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from experiments.round4 import measure
+from experiments.round4 import plan as p
+from mixture_of_depths.studies.runner import RunSpec, run_one
+
+GRID = dataclasses.replace(p.QUICK.grid, tokenizer="byte", seq_len=32, eval_batches=1)
+SPEC = RunSpec(
+    name="r4-tiny-s0", group="round4", label="tiny", budget=2e8, seed=0,
+    model=dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=32, layer_pattern="DR",
+               routing="mlp", predictor_hidden=8, vocab_size=257),
+)  # fmt: skip
+
+
+@pytest.fixture
+def trained(tmp_path):  # noqa: ANN001, ANN201
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    torch.set_num_threads(1)
+    row = run_one(SPEC, GRID, tmp_path / "first", str(data))
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    return tmp_path, str(data), row
+
+
+def test_a_lost_kept_model_is_trained_again_to_the_rows_loss_and_kept(trained):  # noqa: ANN001
+    out, data, _ = trained
+    kept = out / "kept"
+    measure.retrain([SPEC.name], out, kept, out / "again", data, GRID)
+    assert (kept / SPEC.name / "model.safetensors").exists()
+    assert (kept / SPEC.name / "config.json").exists()
+
+
+def test_a_retrained_run_whose_loss_is_not_the_rows_is_refused(trained):  # noqa: ANN001
+    out, data, row = trained
+    row = {**row, "val_loss_causal": row["val_loss_causal"] + 0.01}
+    (out / "results.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(SystemExit, match="differs"):
+        measure.retrain([SPEC.name], out, out / "kept", out / "again", data, GRID)
+    assert not (out / "kept" / SPEC.name).exists()
