@@ -85,11 +85,12 @@ def _last(idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return idx[torch.arange(len(idx)), lengths.to(idx.device) - 1] == POISON
 
 
-@pytest.mark.parametrize("how", ["nan", "raise", "sampling"])
+@pytest.mark.parametrize("how", ["nan", "raise", "sampling", "text", "text-end"])
 def test_an_error_in_one_row_fails_that_request_alone(how, monkeypatch):
-    """A row whose logits are NaN, whose forward raises, or whose sampling raises ends with
-    "error"; the others, in the same steps, equal their reference; every page comes back; the
-    engine serves the next request."""
+    """A row whose logits are NaN, whose forward raises, whose sampling raises, or whose text
+    fails to decode (a tokenizer's error, on a token or on the text held back at the end) ends
+    with "error"; the others, in the same steps, equal their reference; every page comes back;
+    the engine serves the next request."""
     model = serve_model("predictor")
     good = prompts((5, 9, 3), seed=4)
     bad = prompts((4,), seed=5)[0] + [POISON]
@@ -104,12 +105,24 @@ def test_an_error_in_one_row_fails_that_request_alone(how, monkeypatch):
             return real(logits, temperature, *a, **kw)
 
         monkeypatch.setattr(engine_module, "sample_next", sample)
-    else:
+    elif how in ("nan", "raise"):
         poison(model, how)
     engine = _engine(model)
     reqs = [engine.submit(p, SamplingParams(max_tokens=7, **GREEDY)) for p in good[:2]]
     settings = dict(temperature=0.5) if how == "sampling" else GREEDY
     failed = engine.submit(bad, SamplingParams(max_tokens=7, **settings))
+    if how == "text":  # its first token's text fails, after the batch's tokens are sampled
+
+        def text_fails(token: int) -> tuple[str, bool]:
+            raise RuntimeError("injected: the tokenizer failed on this row's token")
+
+        failed.text.add = text_fails
+    if how == "text-end":  # the text held back fails at its finish ("length")
+
+        def flush_fails() -> str:
+            raise RuntimeError("injected: the tokenizer failed on this row's last text")
+
+        failed.text.flush = flush_fails
     reqs.append(engine.submit(good[2], SamplingParams(max_tokens=7, **GREEDY)))
     engine.step()  # the bad row is prefilled beside the good ones, in one forward
     _run(engine)

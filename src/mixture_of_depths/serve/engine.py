@@ -276,8 +276,10 @@ class Engine:
         self._cancels.clear()
 
     def _end(self, row: Row, reason: str, error: Exception | None = None) -> None:
-        """Drop the row (its pages freed now) and send the finish event."""
-        self.sched.remove(row)
+        """Drop the row (its pages freed now) and send the finish event. A row already dropped
+        (its finish failed on its held-back text, then `_fail` ends it) sends the event alone."""
+        if row in self.sched.running:
+            self.sched.remove(row)
         request = row.request
         elapsed = time.monotonic() - request.submitted
         self._request_s = 0.9 * self._request_s + 0.1 * elapsed
@@ -323,7 +325,10 @@ class Engine:
         with self._cond:
             self._counts["tokens_generated_total"] += len(sampled)
         for row, token in sampled:
-            self._emit(row, token)
+            try:
+                self._emit(row, token)
+            except Exception as exc:  # its text failed (a tokenizer's error): this row alone
+                self._fail(row, exc)
 
     def _forward(self, plan: list[tuple[Row, int]]) -> _Forward:
         """Decode rows through the static step (when the engine has one), new rows' first

@@ -120,8 +120,10 @@ class Request:
         """The finish event (with any text held back; an `error` says why it failed), once."""
         if self.finish_reason is not None:
             return
-        self.finish_reason = reason
+        # The held-back text first: a tokenizer that fails on it leaves the request unfinished,
+        # so that the engine's finish("error") still sends an event (a reader waits for one).
         text = self.text.flush() if reason not in ("cancelled", "error") else ""
+        self.finish_reason = reason
         n = len(self.generated)
         self.push(
             Event(
