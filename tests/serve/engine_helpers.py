@@ -133,3 +133,11 @@ def engine_pages_match_their_rows(engine) -> None:  # noqa: ANN001
             assert cache.pages_held(row.id)[vl] == math.ceil(n / cache.page_size)
     held = [sum(cache.pages_held(r.id)[i] for r in engine.sched.running) for i in layers]
     assert cache.pages_in_use() == held
+    static = cache.static  # the static step's host-kept page tables follow the rows' pages
+    if static is not None:
+        for row in engine.sched.running:
+            slot = cache.slots[row.id]
+            for vl, pages in enumerate(cache.tables[row.id]):
+                assert static.table_h[vl, slot, : len(pages)].tolist() == pages, (row.id, vl)
+        for slot in set(range(static.n_rows)) - set(cache.slots.values()):
+            assert bool((static.table_h[:, slot] == static.trash).all()), slot

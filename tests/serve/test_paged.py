@@ -171,3 +171,86 @@ def test_a_pool_whose_storage_fails_to_grow_keeps_its_pages(monkeypatch):
     monkeypatch.undo()
     assert pool.free == 16 and pool.in_use == 0
     assert pool.allocate(2) == [0, 1]
+
+
+def _skip_and_compute(engine, model) -> bool:  # noqa: ANN001
+    """One static step of the engine's decoding rows from the same state twice, skipping idle
+    routed blocks and computing them: the same logits and decisions for the active slots, the
+    same pages (but the trash page) and lengths. The cache is then put back as it was. Whether
+    a routed block had no active taker (so that something was skipped)."""
+    from mixture_of_depths.static_cache import StaticDecoder
+
+    cache = engine.cache
+    rows = [r for r in engine.sched.running if r.fed > 0 and r.left == 1]
+    ids = [r.id for r in rows]
+    held = cache.snapshot(ids)
+    tokens = cache.static_step(ids, [r.fed for r in rows], [r.request.tokens[r.fed] for r in rows])
+    live = [t for pool in cache.pools for t in (pool.k, pool.v)]
+    live += [cache.static.lengths, cache.static.pos]
+    before = [t.clone() for t in live]
+    slots, outs, after = [cache.slots[i] for i in ids], [], []
+    for skip in (True, False):
+        for t, was in zip(live, before, strict=True):
+            t.copy_(was)
+        with torch.no_grad():
+            logits, routing = StaticDecoder(model, cache.static, skip_idle=skip)(tokens)
+        outs.append((logits[slots], routing[slots]))
+        after.append([t.clone() for t in live])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    trash = cache.static.trash
+    for got, want in zip(*after, strict=True):
+        assert torch.equal(got[:trash], want[:trash]) if got.dim() == 4 else torch.equal(got, want)
+    for t, was in zip(live, before, strict=True):
+        t.copy_(was)
+    cache.restore(held)  # the pages taken ahead go back: the engine's own step follows
+    return not bool(outs[1][1].any(0).all())
+
+
+@pytest.mark.parametrize("kind", ["predictor", "mlp-kv", "residual", "mode", "mor", "mor-share"])
+def test_an_eager_static_step_that_skips_idle_blocks_equals_one_that_computes_them(kind):
+    """`Pass.skip_idle` (the server's eager static step) skips a routed block that no active
+    slot takes. Before every static step of a served batch (rows prefilling beside decoding
+    ones: live slots inactive in the step), the step that skips and the one that computes every
+    block agree exactly (`_skip_and_compute`: a skipper's or an inactive slot's key goes to the
+    trash page, the only page that may differ); some step had an idle block; the completions
+    equal the reference."""
+    from engine_helpers import engine_pages_match_their_rows
+
+    from mixture_of_depths.generate import generate_reference
+    from mixture_of_depths.serve.engine import Engine
+    from mixture_of_depths.serve.types import SamplingParams
+
+    model = serve_model(kind)
+    engine = Engine(model, None, max_rows=3, page_size=4, prefill_chunk=8, static_decode=True)
+    ps, ns = prompts((6, 19, 2, 9)), [8, 5, 10, 6]
+    reqs = [
+        engine.submit(p, SamplingParams(max_tokens=n, temperature=0.0, stop_at_eos=False))
+        for p, n in zip(ps, ns, strict=True)
+    ]
+    idle = []
+    while True:
+        if any(r.fed > 0 and r.left == 1 for r in engine.sched.running):
+            idle.append(_skip_and_compute(engine, model))
+        if not engine.step():
+            break
+        engine_pages_match_their_rows(engine)
+    assert any(idle), "no step had an idle routed block: nothing was skipped"
+    for p, n, r in zip(ps, ns, reqs, strict=True):
+        assert r.result(0)[0] == generate_reference(model, [p], n).tokens[0]
+
+
+def test_a_static_step_that_fails_taking_a_page_ahead_loses_no_page():
+    """A page taken ahead for a static step stays in its row's table even when mirroring it
+    into the static view's table fails (here: a row already holding max_len tokens, whose next
+    page has no entry), so freeing the row returns it: no page leaks on the error."""
+    cfg = serve_model("dense").config  # max_seq_len 64: 16 pages of 4 per layer
+    cache = PagedKVCache(cfg, n_pages=32, page_size=4, dtype=torch.float64, static_rows=2)
+    cache.add_row(0)
+    k = torch.zeros(1, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, dtype=torch.float64)
+    view = cache.prefill([0])
+    for layer in range(len(cache.pools)):
+        view.write_prefill(layer, k, k, None)
+    with pytest.raises((IndexError, RuntimeError)):
+        cache.static_step([0], [cfg.max_seq_len], [1])
+    cache.free_row(0)
+    assert cache.pages_in_use() == [0] * len(cache.pools)

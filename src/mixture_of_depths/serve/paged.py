@@ -194,12 +194,14 @@ class PagedKVCache:
 
     def _take(self, row: int, layer: int, n: int) -> None:
         """`n` fresh pages at the end of the row's table in `layer` (none taken if the pool
-        cannot give them all), mirrored into the static view's page table."""
+        cannot give them all), mirrored into the static view's page table. The row's table
+        holds them first, so that a failing mirror leaves them where `restore` and `free_row`
+        return them."""
         pages = self.tables[row][layer]
         new = self.pools[layer].allocate(n)
-        if row in self.slots:
-            self.static.set_pages(layer, self.slots[row], len(pages), new)
         pages += new
+        if row in self.slots:
+            self.static.set_pages(layer, self.slots[row], len(pages) - n, new)
 
     def snapshot(self, rows: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
         """Per row, the pages and tokens each layer holds: what `restore` undoes a failed
