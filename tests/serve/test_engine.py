@@ -334,6 +334,48 @@ def test_aevents_streams_for_asyncio_and_closing_it_cancels():
     _all_pages_back(engine)
 
 
+def test_aevents_gets_each_token_at_the_end_of_its_step():
+    """Token events are pushed unwoken and the step wakes each event loop once at its end
+    (`request.wake_all`): a reader gets the step's token while the request is still running,
+    with no later event to wake it, and one wake-up per loop serves several requests."""
+    model = serve_model("predictor")
+    engine = _engine(model, prefill_chunk=64)  # both prompts in the first step
+    ps = prompts((5, 8))
+    reqs = [engine.submit(p, SamplingParams(max_tokens=20, **GREEDY)) for p in ps]
+
+    async def first_tokens(loop_calls: list[int]) -> list[int]:
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if getattr(callback, "__name__", "") == "_set_all":  # the engine's wake-ups
+                loop_calls.append(len(args[0]))
+            return real(callback, *args, **kw)
+
+        loop.call_soon_threadsafe = counted
+        streams = [r.aevents() for r in reqs]
+        waits = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0)  # the readers wait, registered with this loop
+
+        def step_until_sampled() -> None:
+            while not all(r.generated for r in reqs):
+                engine.step()
+
+        await asyncio.to_thread(step_until_sampled)
+        events = await asyncio.wait_for(asyncio.gather(*waits), timeout=10)
+        for stream in streams:
+            await stream.aclose()
+        return [e.token for e in events]
+
+    calls: list[int] = []
+    tokens = asyncio.run(first_tokens(calls))
+    assert tokens == [r.generated[0] for r in reqs]
+    assert all(r.finish_reason is None for r in reqs)  # woken by the token, not by a finish
+    assert calls == [2]  # both requests' first tokens came in one step: one wake-up
+    engine.step()  # the closed readers' cancels
+    _all_pages_back(engine)
+
+
 # -- a hammer ------------------------------------------------------------------------------------
 
 

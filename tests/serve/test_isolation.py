@@ -134,3 +134,35 @@ def test_an_error_in_one_row_fails_that_request_alone(how, monkeypatch):
     again = engine.submit(good[0], SamplingParams(max_tokens=7, **GREEDY))
     _run(engine)
     assert again.result(0)[0] == expected[0]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["entries", "static-step"])
+def test_a_sampling_nan_row_fails_alone_beside_seeded_sampled_rows(static):
+    """A row sampling at a temperature (top-k, top-p) whose logits are NaN fails alone (it
+    samples from zeros in the batched step, then fails: no device assert, no error for the
+    others); the seeded sampled rows beside it, each with its own generator, equal
+    `generate(..., seed=)` for their prompt alone, through the entries or the static step."""
+    model = serve_model("predictor")
+    good = prompts((5, 9, 3), seed=4)
+    settings = [
+        dict(temperature=0.8, seed=1),
+        dict(temperature=1.3, top_k=5, seed=2),
+        dict(temperature=0.7, top_p=0.8, seed=3),
+    ]
+    expected = [generate(model, [p], 7, **s).tokens[0] for p, s in zip(good, settings, strict=True)]
+    assert all(POISON not in p + e for p, e in zip(good, expected, strict=True))
+    poison(model, "nan")
+    engine = _engine(model, static_decode=static)
+    reqs = [
+        engine.submit(p, SamplingParams(max_tokens=7, stop_at_eos=False, **s))
+        for p, s in zip(good[:2], settings, strict=False)
+    ]
+    bad = prompts((4,), seed=5)[0] + [POISON]
+    failed = engine.submit(bad, SamplingParams(max_tokens=7, temperature=0.9, top_k=3, top_p=0.5))
+    last = SamplingParams(max_tokens=7, stop_at_eos=False, **settings[2])
+    reqs.append(engine.submit(good[2], last))
+    _run(engine)
+    assert failed.result(0)[2] == "error"
+    assert "not finite" in str(list(failed.events(0))[-1].error)
+    assert [r.result(0)[0] for r in reqs] == expected
+    _all_pages_back(engine)
