@@ -305,9 +305,9 @@ def _ablation_section(
         "Random routing's causal decision takes each token with the capacity's probability (or "
         "the aux-loss model's measured rates), so its compute matches learned routing's in both "
         "modes. Causal take-rate: the share of tokens a routed block takes in causal mode (the "
-        f"capacity is {MOD['capacity']:.1%}); the paper's routing accuracy: how often that decision "
-        "agrees with top-k (a router that takes no token scores 1 - capacity; these runs logged "
-        "no recall or precision of the top-k set). The "
+        f"capacity is {MOD['capacity']:.1%}); the paper's routing accuracy: how often that "
+        "decision agrees with top-k (a router that takes no token scores 1 - capacity; these "
+        "runs logged no recall or precision of the top-k set). The "
         "routing profile (last three columns) is each seed's (seed 0 / seed 1), on held-out "
         "text, in causal mode; rho near 0 means the blocks a token takes say nothing about how "
         "unsure the model is of the next token.",
