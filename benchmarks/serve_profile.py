@@ -43,8 +43,8 @@ PHASES: tuple[tuple[str, str, str, Callable[..., int] | None], ...] = (
     ("scheduler", "Scheduler.admit", "scheduler: admission", None),
     ("scheduler", "Scheduler.plan", "scheduler: plan", None),
     ("paged", "PagedKVCache.snapshot", "cache: snapshot (to undo a failed forward)", None),
-    ("engine", "prefill", PREFILL, lambda *a: int(a[2].sum())),
-    ("engine", "decode_step", DECODE, lambda *a: len(a[1])),
+    ("engine", "prefill", PREFILL, lambda *a, **k: int(a[2].sum())),
+    ("engine", "decode_step", DECODE, lambda *a, **k: len(a[1])),
     ("paged", "PagedPrefill.write_prefill", "pages: prefill writes", None),
     ("paged", "PagedView.append", "pages: decode appends", None),
     ("paged", "PagedView.read", "pages: reads (masks, per-entry bookkeeping)", None),
@@ -52,6 +52,10 @@ PHASES: tuple[tuple[str, str, str, Callable[..., int] | None], ...] = (
     ("paged", "PagedView.subset", "pages: views of a routed layer's rows", None),
     ("engine", "Engine._count_routing", "routing counts", None),
     ("engine", "Engine._sample", "sampling and events", None),
+    # since 703be97 a row's text and event come after the batched sampling, and readers are
+    # woken once per step: the same phase, so profiles before and after compare line by line
+    ("engine", "Engine._emit", "sampling and events", None),
+    ("engine", "wake_all", "sampling and events", None),
 )
 HOST_READS = ("'item'", "'tolist'", "'cpu'", "'numpy'", "'nonzero'", "_local_scalar_dense")
 
