@@ -13,7 +13,7 @@ import torch
 from generate_helpers import make_prompts, served_and_reference
 from helpers import make_model, random_tokens, tiny_config
 
-from mixture_of_depths import generate
+from mixture_of_depths import generate, selection
 from mixture_of_depths.cache import KVCache
 from mixture_of_depths.generate import decode_step, prefill, right_pad
 from mixture_of_depths.static_cache import StaticKVCache, static_generate
@@ -96,3 +96,31 @@ def test_served_greedy_completions_equal_the_reference_on_every_configuration(na
     steps run as the paged cache's entries or through the static step (CUDA's default)."""
     got, want = served_and_reference(cell_model(name), static_decode=static)
     assert got == want
+
+
+@pytest.mark.parametrize("mode", ["causal", "topk"])
+@pytest.mark.parametrize("name", SERVED)
+def test_a_packed_prefill_equals_the_masked_reference(name, mode, monkeypatch):
+    """A prefill into a cache gathers each row's takers ("packed", selection.py): its logits,
+    decisions and stored keys and values equal the masked forward's, which computes every
+    token and keeps the takers', on right-padded prompts (float64)."""
+    model = cell_model(name)
+    idx, lens = right_pad(make_prompts(), "cpu")
+    got = {}
+    for pack in (False, True):
+        monkeypatch.setattr(selection, "PACK_PREFILL", pack)
+        cache = KVCache(model.config, len(lens), int(lens.max()), dtype=F64)
+        out = model(idx, routing=mode, cache=cache, lengths=lens)
+        stored = [
+            (kv[r, :, :n], vv[r, :, :n])
+            for kv, vv, lengths in zip(cache.k, cache.v, cache.lengths, strict=True)
+            for r, n in enumerate(lengths.tolist())
+        ]
+        got[pack] = out.logits, [route.mask for route in out.routes], cache.lengths, stored
+    (want_logits, want_takes, want_lens, want_kv), (logits, takes, lengths, kv) = got.values()
+    valid = torch.arange(idx.shape[1])[None, :] < lens[:, None]
+    torch.testing.assert_close(logits[valid], want_logits[valid], rtol=1e-10, atol=1e-10)
+    assert all(torch.equal(a, b) for a, b in zip(takes, want_takes, strict=True))
+    assert torch.equal(lengths, want_lens) and int(lengths.sum()) < lengths.numel() * idx.shape[1]
+    for (k, v), (want_k, want_v) in zip(kv, want_kv, strict=True):
+        torch.testing.assert_close((k, v), (want_k, want_v), rtol=1e-10, atol=1e-10)

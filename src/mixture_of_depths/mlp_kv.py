@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .config import MoDConfig
 from .layers import LayerCost, LayerKV, price
+from .selection import GATHERED
 
 
 def open_empty_rows(see: Tensor) -> tuple[Tensor, Tensor]:
@@ -41,20 +42,23 @@ def keep(a: Tensor, has: Tensor) -> Tensor:
 def attend(block: Any, x_BTD: Tensor, s: Any) -> Tensor:
     """Every token's attention update over the takers of `s` (a `selection.Selection`), in its
     mode: "topk", the k takers' keys and values projected from their own stream at their
-    original positions (none: nothing is computed); "masked", every token computed, query i
-    seeing the takers at positions <= i; decoding, the taking rows append their key and value
-    ("device": every row, a skipper's to the trash slot), then every row reads all its row
-    holds (nothing held anywhere: nothing is computed). A prefill stores the takers."""
+    original positions (none: nothing is computed; "packed" likewise, its padding no key);
+    "masked", every token computed, query i seeing the takers at positions <= i; decoding,
+    the taking rows append their key and value ("device": every row, a skipper's to the trash
+    slot), then every row reads all its row holds (nothing held anywhere: nothing is
+    computed). A prefill stores the takers."""
     p, layer, attn = s.p, block.layer, block.attn
-    if s.mode == "topk" and s.empty:
+    if s.mode in GATHERED and s.empty:
         return torch.zeros_like(x_BTD)
     h_BTD = block.attn_norm(x_BTD)
     T = h_BTD.shape[1]
-    if s.mode == "topk":
+    if s.mode in GATHERED:  # "packed": its padding is no key
         key, value = attn.kv(s.gather(h_BTD), s.cos, s.sin)
         if p.cache is not None:
-            p.cache.write_prefill(layer, key, value, None)
+            p.cache.write_prefill(layer, key, value, s.valid)
         see = s.idx[:, None, :] <= torch.arange(T, device=h_BTD.device)[None, :, None]
+        if s.valid is not None:
+            see = see & s.valid[:, None, :]
         mask, has = open_empty_rows(see)
         return keep(attn(h_BTD, p.cos, p.sin, None, LayerKV(key, value, mask.unsqueeze(1))), has)
     if s.mode == "masked":

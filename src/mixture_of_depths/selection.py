@@ -1,8 +1,11 @@
 """The one routing executor (docs/semantics.md, "The KV cache and generation"): which tokens take
 a routed (sub-)block or a recursion step (`choose`), and how they run (`Selection`), in the four
 modes of the paths: ``"topk"`` (training: each row's k chosen tokens gathered in position order,
-run at their original positions, scattered back), ``"masked"`` (the causal forward, a prefill:
-every token computes, a taker attends only to earlier takers, `where` keeps the skippers),
+run at their original positions, scattered back), ``"masked"`` (the causal forward without a
+cache: every token computes, a taker attends only to earlier takers, `where` keeps the skippers),
+``"packed"`` (a causal prefill into a cache: each row's takers gathered to the front in position
+order and padded to the busiest row's count, run like top-k, only the real ones scattered back
+and stored; equal to "masked", which stays its reference: `PACK_PREFILL`),
 ``"rows"`` (a decode step, decisions on the host: only the taking rows run, on a view of the
 cache narrowed to them) and ``"device"`` (a static decode step, no host read: every row runs
 under masks, a skipper's key and value go to the cache's trash).
@@ -29,7 +32,12 @@ from .cache import Cache, kv_hook
 from .layers import KVHook, LayerKV
 from .routing import causal_attention_mask, positions_mask, topk_indices, topk_mask
 
-MODES = ("topk", "masked", "rows", "device")
+MODES = ("topk", "masked", "packed", "rows", "device")
+GATHERED = ("topk", "packed")  # the modes that run (B, K) gathered takers at their positions
+# A causal prefill into a cache gathers its takers ("packed"): it then costs per token what
+# decoding does, the routed blocks' share of the prompt. False: the "masked" reference, which
+# computes every token (tests prove the two equal; docs/semantics.md).
+PACK_PREFILL = True
 Update = Callable[[Tensor, "Selection"], Tensor]
 
 
@@ -58,7 +66,7 @@ def choose(
         return Selection(p, "rows", take), take, None
     if exact:
         take = take if p.valid_BT is None else take & p.valid_BT
-        return Selection(p, "masked", take), take, take
+        return _causal(p, take), take, take
     T = decide_BT.shape[1]
     if prior is not None:  # nested: the top-k of the tokens still active in top-k routing
         score_BT = score_BT.masked_fill(~prior.target, float("-inf"))
@@ -75,12 +83,20 @@ def choose(
         take = take & prior.mask
     if p.valid_BT is not None:
         take = take & p.valid_BT
-    return Selection(p, "masked", take), take, target
+    return _causal(p, take), take, target
+
+
+def _causal(p: Any, take_BT: Tensor) -> Selection:
+    """A forward's selection by a (B, T) decision: gathered in a prefill, else masked."""
+    packed = PACK_PREFILL and p.cache is not None
+    return Selection(p, "packed" if packed else "masked", take_BT)
 
 
 class Selection:
     """The tokens of one pass that take a routed (sub-)block or step, in one of `MODES`:
-    `take` (B, T) or (N, 1) bool (on the host in "rows"), or `idx_BK` (sorted) in "topk"."""
+    `take` (B, T) or (N, 1) bool (on the host in "rows"), or `idx_BK` (sorted) in "topk".
+    In "packed", `idx` (B, K) holds each row's takers first, then (past `valid`) other tokens
+    as padding: their queries see only keys at or before them, so no real query sees a pad."""
 
     def __init__(
         self, p: Any, mode: str, take: Tensor | None = None, idx_BK: Tensor | None = None
@@ -89,7 +105,14 @@ class Selection:
         self.cos, self.sin = p.cos, p.sin
         self.empty = False  # known on the host to select nothing: nothing runs
         self._mask: Tensor | None = None
-        if mode == "topk":
+        self.valid: Tensor | None = None  # "packed": (B, K) the real takers
+        if mode == "packed":
+            counts_B = take.sum(1)
+            K = int(counts_B.max())  # the one host read of a packed prefill's routed block
+            # A stable sort on "skipped" moves each row's takers to the front, in order.
+            idx_BK = torch.sort((~take).to(torch.int8), dim=1, stable=True).indices[:, :K]
+            self.valid = torch.arange(K, device=take.device) < counts_B[:, None]
+        if mode in GATHERED:
             B, T = idx_BK.shape[0], p.cos.shape[0]
             self.empty = idx_BK.shape[1] == 0
             # Flat row indices into (B*T, D): index_select/index_copy move whole rows, several
@@ -97,6 +120,9 @@ class Selection:
             self.rows = (idx_BK + T * torch.arange(B, device=idx_BK.device)[:, None]).flatten()
             # Original positions; idx is sorted, so a plain causal mask over K is causal in T.
             self.cos, self.sin = p.cos[idx_BK].unsqueeze(1), p.sin[idx_BK].unsqueeze(1)
+            self.idx, self.out = idx_BK, self.rows  # `out`: the rows scattered back
+            if self.valid is not None:
+                self.out = self.rows[self.valid.flatten()]
         elif mode == "rows":
             sel = take.view(-1).nonzero().view(-1)
             m, n = len(sel), len(take)
@@ -113,7 +139,7 @@ class Selection:
     def gather(self, x: Tensor) -> Tensor:
         """The selected tokens of `x` (B, T, D) or (B, T): (B, K, ...) in "topk", the taking
         rows in "rows", every token otherwise."""
-        if self.mode == "topk":
+        if self.mode in GATHERED:
             if x.dim() == 2:
                 return x.gather(1, self.idx)
             B, K = self.idx.shape
@@ -122,9 +148,10 @@ class Selection:
 
     def scatter(self, x: Tensor, y: Tensor) -> Tensor:
         """`x` with the selected tokens' new stream `y` put back; every other token as it was."""
-        if self.mode == "topk":
+        if self.mode in GATHERED:
             D = x.shape[-1]
-            return x.reshape(-1, D).index_copy(0, self.rows, y.reshape(-1, D)).view(x.shape)
+            y = y.reshape(-1, D) if self.valid is None else y[self.valid]
+            return x.reshape(-1, D).index_copy(0, self.out, y).view(x.shape)
         if self.mode == "rows":
             return y if self.whole else x.index_copy(0, self.sel_d, y)
         return torch.where(self.take.unsqueeze(-1), y, x)
@@ -158,8 +185,8 @@ class Selection:
             return kv, self._mask
         if p.cache is None:
             return None, None
-        if self.mode == "topk":  # the gathered takers, in order: what the layer stores
-            return kv_hook(p.cache, layer, None, False), None
+        if self.mode in GATHERED:  # the gathered takers, in order: what the layer stores
+            return kv_hook(p.cache, layer, self.valid, False), None
         if self.mode == "rows":
             return kv_hook(self.view, layer, None, True), None
         # "device": a skipper's key and value go to the trash slot
@@ -169,7 +196,7 @@ class Selection:
         """Keys every token has, read by the selected queries: `kv` (B, n_kv_heads, T, d) in a
         forward (a chosen token sees those at or before its position), or what cache layer
         `layer` holds when decoding."""
-        if self.mode == "topk":  # (B, 1, K, T), made once for every layer that reads it
+        if self.mode in GATHERED:  # (B, 1, K, T), made once for every layer that reads it
             if self._mask is None:
                 T = self.p.cos.shape[0]
                 seen = torch.arange(T, device=self.idx.device) <= self.idx[:, :, None]
