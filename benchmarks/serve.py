@@ -12,7 +12,9 @@ load processes sent is in the JSON). The load runs in `--clients` processes (ser
 the client's per-token work shares no GIL with the engine.
 
 Each configuration x rate is measured `--repeats` times, the configurations interleaved round by
-round (the order rotates; every round starts fresh servers) so drift hits all alike. Reported:
+round (the order rotates, so over a multiple of the configurations' count each takes each place
+in the order equally often: the first measured after the servers start ran fastest, a bias;
+every round starts fresh servers) so drift hits all alike. Reported:
 the median and the min-max spread of throughput, TTFT and TPOT (p50, p99) and the KV bytes in
 use (mean, and per token held); the ratios MoD / dense and continuous / static computed per
 repeat (the same round's runs), their medians and spreads; the model's own decode ratio at the
@@ -76,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="rounds; each configuration x rate once per round (default 3; 0: only --profile)",
+        default=None,
+        help="rounds; each configuration x rate once per round, in a rotating order (default: "
+        "the number of configurations, so each is measured once in each place; 0: only --profile)",
     )
     p.add_argument("--clients", type=int, default=2, help="load processes (default 2)")
     p.add_argument("--max-rows", type=int, default=16, help="mod serve --max-rows (default 16)")
@@ -147,6 +150,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad or not args.configs:
         raise SystemExit(f"--configs: {bad or 'none'}; choose from {', '.join(CONFIGS)}")
+    args.repeats = len(args.configs) if args.repeats is None else args.repeats
+    if args.repeats % len(args.configs):
+        print(
+            f"warning: --repeats {args.repeats} is not a multiple of the {len(args.configs)} "
+            "configurations: they do not take each place in the order equally often",
+            file=sys.stderr,
+        )
     if args.repeats < 0 or (args.repeats == 0 and not args.profile):
         raise SystemExit("--repeats must be >= 1 (0 only with --profile)")
     if args.clients < 1 or args.threads < 1 or args.decode_repeats < 1:
