@@ -13,7 +13,7 @@ import torch
 from helpers import make_model, random_tokens, tiny_config
 from recursion_helpers import CASES, IDS, mor_config
 
-from mixture_of_depths import MoDConfig
+from mixture_of_depths import MoDConfig, selection
 from mixture_of_depths.cache import KVCache
 from mixture_of_depths.generate import prefill
 from mixture_of_depths.topology import RECURSION, Topology
@@ -92,19 +92,28 @@ class RecordingCache(KVCache):
         super().write_prefill(layer, k, v, take_BT)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=NAMES)
-def test_each_application_writes_the_cache_layer_its_schedule_gives(cfg):
-    model = make_model(cfg)
-    topo = cfg.topology
+def recorded_prefill(cfg: MoDConfig, pack: bool, monkeypatch: pytest.MonkeyPatch) -> RecordingCache:
+    monkeypatch.setattr(selection, "PACK_PREFILL", pack)
     cache = RecordingCache(cfg, 2, 32, dtype=torch.float64)
+    prefill(make_model(cfg), random_tokens(2, 13, seed=5), torch.tensor([13, 9]), cache)
+    return cache
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=NAMES)
+def test_each_application_writes_the_cache_layer_its_schedule_gives(cfg, monkeypatch):
+    topo = cfg.topology
+    cache = recorded_prefill(cfg, False, monkeypatch)  # the masked reference writes every layer
     assert len(cache.k) == topo.n_kv_layers
-    idx = random_tokens(2, 13, seed=5)
-    prefill(model, idx, torch.tensor([13, 9]), cache)
     # in forward order, each cache layer once, but those that read the first pass's ("share")
-    assert cache.written == [i for i, share in enumerate(topo.kv_shares) if share > 0]
+    want = [i for i, share in enumerate(topo.kv_shares) if share > 0]
+    assert cache.written == want
     lengths = cache.lengths
     for i in topo.full_kv_layers:  # every real token of each row
         assert lengths[i].tolist() == [13, 9], i
+    # The packed prefill runs nothing where no token of any row takes: that layer stays empty.
+    packed = recorded_prefill(cfg, True, monkeypatch)
+    assert packed.written == [i for i in want if lengths[i].sum() > 0]
+    assert packed.lengths.tolist() == lengths.tolist()
 
 
 def test_topology_is_built_once_per_config_and_compared_by_value():
