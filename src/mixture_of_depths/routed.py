@@ -1,7 +1,8 @@
 """The routed layer kind (`RoutedBlock`, letter ``R``): its routers and predictors, its update
 and gate, run on every path by the one routing executor (selection.py: top-k with gather and
-scatter in training, every token under a mask in causal evaluation and prefill, the taking rows
-of a decode step, every row under masks in a static one). docs/semantics.md states what is
+scatter in training, every token under a mask in causal evaluation, each row's takers gathered
+in a prefill into a cache, the taking rows of a decode step, every row under masks in a static
+one). docs/semantics.md states what is
 computed.
 
 ``routing`` says what the routers route (`topology.ROUTE_KINDS`): the whole block ("joint"),

@@ -1,5 +1,5 @@
 """The one routing executor (docs/semantics.md, "The KV cache and generation"): which tokens take
-a routed (sub-)block or a recursion step (`choose`), and how they run (`Selection`), in the four
+a routed (sub-)block or a recursion step (`choose`), and how they run (`Selection`), in the five
 modes of the paths: ``"topk"`` (training: each row's k chosen tokens gathered in position order,
 run at their original positions, scattered back), ``"masked"`` (the causal forward without a
 cache: every token computes, a taker attends only to earlier takers, `where` keeps the skippers),
@@ -96,7 +96,8 @@ class Selection:
     """The tokens of one pass that take a routed (sub-)block or step, in one of `MODES`:
     `take` (B, T) or (N, 1) bool (on the host in "rows"), or `idx_BK` (sorted) in "topk".
     In "packed", `idx` (B, K) holds each row's takers first, then (past `valid`) other tokens
-    as padding: their queries see only keys at or before them, so no real query sees a pad."""
+    as padding: they come after every real taker, and the takers attend causally in that order,
+    so no real query sees a pad's key; a pad's output is never scattered back."""
 
     def __init__(
         self, p: Any, mode: str, take: Tensor | None = None, idx_BK: Tensor | None = None
