@@ -2,8 +2,7 @@
 and gate, run on every path by the one routing executor (selection.py: top-k with gather and
 scatter in training, every token under a mask in causal evaluation, each row's takers gathered
 in a prefill into a cache, the taking rows of a decode step, every row under masks in a static
-one). docs/semantics.md states what is
-computed.
+one). docs/semantics.md states what is computed.
 
 ``routing`` says what the routers route (`topology.ROUTE_KINDS`): the whole block ("joint"),
 attention and the MLP apart ("staggered"), only the MLP ("mlp"), attention then running for
