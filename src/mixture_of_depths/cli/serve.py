@@ -37,6 +37,19 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--model-name", default="mod", help="the name clients ask for (default: %(default)s)"
     )
+    p.add_argument("--device", default="auto", help="auto: cuda if there is one, else cpu")
+    p.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="the server's log level",
+    )
+    _engine_args(p.add_argument_group("batching and the KV cache"))
+    _access_args(p.add_argument_group("who may call it"))
+    _limit_args(p.add_argument_group("connection limits"))
+
+
+def _engine_args(p: Any) -> None:
     p.add_argument(
         "--max-rows", type=int, default=16, help="requests decoded at once (default: 16)"
     )
@@ -72,6 +85,9 @@ def add_parser(sub: Any, name: str) -> None:
         default=30.0,
         help="seconds SIGTERM waits for the running requests (default: 30)",
     )
+
+
+def _access_args(p: Any) -> None:
     p.add_argument(
         "--api-key",
         default=None,
@@ -87,6 +103,9 @@ def add_parser(sub: Any, name: str) -> None:
         "(repeat, or comma-separate; * allows any): the check keeps web pages out (DNS "
         "rebinding)",
     )
+
+
+def _limit_args(p: Any) -> None:
     limits = Limits()
     p.add_argument(
         "--max-connections",
@@ -105,13 +124,6 @@ def add_parser(sub: Any, name: str) -> None:
         type=float,
         default=limits.body_timeout_s,
         help="seconds a request's body may take after its headers, else 408 (default: %(default)g)",
-    )
-    p.add_argument("--device", default="auto", help="auto: cuda if there is one, else cpu")
-    p.add_argument(
-        "--log-level",
-        choices=("critical", "error", "warning", "info", "debug"),
-        default="info",
-        help="the server's log level",
     )
 
 
