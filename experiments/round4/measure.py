@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from mixture_of_depths.fileio import json_text
 from mixture_of_depths.runtime.checkpoint import load_model
@@ -52,24 +56,51 @@ SAME_LOSS = 1e-3
 
 
 def retrain(
-    names: list[str], out: Path, kept: Path, work: Path, data: str | None, grid: Any = None
+    names: list[str],
+    out: Path,
+    kept: Path,
+    work: Path,
+    data: str | None,
+    grid: Any = None,
+    workers: int = 1,
 ) -> None:
-    """Train the runs `names` again from their rows in ``results.jsonl`` into `work` and keep
-    their models in `kept`; each loss must be its row's (`SAME_LOSS`). `grid`: the study's
-    settings the runs trained under (default: the full round's)."""
+    """Train the runs `names` again from their rows in ``results.jsonl`` into `work`, `workers`
+    at a time (each on one thread, as the study trained them), and keep their models in `kept`;
+    each loss must be its row's (`SAME_LOSS`). `grid`: the study's settings the runs trained
+    under (default: the full round's)."""
     grid = STUDY.settings(False).grid if grid is None else grid
     rows = {r["name"]: r for r in load_results(out / "results.jsonl")}
-    for name in names:
-        if (kept / name / "model.safetensors").exists():
-            continue
+    todo = [n for n in names if not (kept / n / "model.safetensors").exists()]
+    for name in todo:
         if name not in rows:
             raise SystemExit(f"{name}: no such row in {out / 'results.jsonl'} to train again")
-        row = run_one(RunSpec.from_row(rows[name]), grid, work, data)
-        gap = row["val_loss_causal"] - rows[name]["val_loss_causal"]
-        print(f"{name} trained again: causal loss {row['val_loss_causal']:.4f} ({gap:+.2e})")
+    jobs = [(rows[n], grid, work, data) for n in todo]
+    if workers > 1 and len(jobs) > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_one_thread) as pool:
+            done = list(pool.map(_train_again, *zip(*jobs, strict=True)))
+    else:
+        threads = torch.get_num_threads()
+        _one_thread()  # a run repeats its loss only on the one thread it trained on
+        try:
+            done = [_train_again(*job) for job in jobs]
+        finally:
+            torch.set_num_threads(threads)
+    for name, loss in zip(todo, done, strict=True):
+        gap = loss - rows[name]["val_loss_causal"]
+        print(f"{name} trained again: causal loss {loss:.4f} ({gap:+.2e})")
         if abs(gap) > SAME_LOSS:
             raise SystemExit(f"{name}: the retrained loss differs by {gap:+.4f}: not the run")
         keep(work / name / "checkpoint", kept / name)
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _train_again(row: dict[str, Any], grid: Any, work: Path, data: str | None) -> float:
+    """The causal loss of `row`'s run trained again (resumed where `work` has its checkpoint)."""
+    return run_one(RunSpec.from_row(row), grid, work, data)["val_loss_causal"]
 
 
 def best_runs(out: Path) -> dict[str, str | None]:
@@ -113,10 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         help="train each best run whose kept model is gone again, in WORK (its loss must be "
         "its row's), and keep it",
     )  # fmt: skip
+    ap.add_argument(
+        "--workers", type=int, default=2,
+        help="runs trained again at once, each on one thread (default: %(default)s)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.workers < 1:
+        raise SystemExit(f"--workers must be at least 1, got {args.workers}")
     out, kept = Path(args.out), Path(args.kept)
     if args.retrain and not args.skip_decode:
-        retrain([n for n in best_runs(out).values() if n], out, kept, Path(args.retrain), args.data)
+        names = [n for n in best_runs(out).values() if n]
+        retrain(names, out, kept, Path(args.retrain), args.data, workers=args.workers)
     probe_all(kept, out, args.data)
     if not args.skip_decode:
         decode_all(kept, out, args.data)

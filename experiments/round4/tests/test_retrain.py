@@ -46,3 +46,18 @@ def test_a_retrained_run_whose_loss_is_not_the_rows_is_refused(trained):  # noqa
     with pytest.raises(SystemExit, match="differs"):
         measure.retrain([SPEC.name], out, out / "kept", out / "again", data, GRID)
     assert not (out / "kept" / SPEC.name).exists()
+
+
+def test_runs_trained_again_in_worker_processes_come_out_at_their_rows_losses(trained):  # noqa: ANN001
+    """Two workers, each process on one thread as the study's were: each run's loss is its own
+    row's (the seeds' losses differ, so a result handed to the other run fails)."""
+    out, data, row = trained
+    other = dataclasses.replace(SPEC, name="r4-tiny-s1", seed=1)
+    torch.set_num_threads(1)
+    second = run_one(other, GRID, out / "first", data)
+    assert abs(row["val_loss_causal"] - second["val_loss_causal"]) > measure.SAME_LOSS
+    (out / "results.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(second) + "\n")
+    kept = out / "kept"
+    measure.retrain([SPEC.name, other.name], out, kept, out / "again", data, GRID, workers=2)
+    for name in (SPEC.name, other.name):
+        assert (kept / name / "model.safetensors").exists()
