@@ -205,21 +205,51 @@ def arm_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def probe_table(out: Path) -> list[str]:
-    """The look-back probe of every kept checkpoint (``probes.jsonl``), by arm."""
+def probe_table(rows: list[dict[str, Any]], out: Path) -> list[str]:
+    """The look-back probes (``probes.jsonl``) of each arm's kept seed-0 model, by arm, and the
+    arms whose model is not probed yet."""
     probes = measured(out, "probes.jsonl")
-    if not probes:
-        return ["Not measured yet: `python -m experiments.round4.measure` once training is done."]
-    dists = sorted({int(d) for r in probes.values() for d in r["repeat"]})
-    head = (
-        " | ".join(f"repeat {d}" for d in dists) + " | " + " | ".join(f"recall {d}" for d in dists)
-    )
-    lines = [f"| run | {head} |", "|---|" + "---|" * (2 * len(dists))]
-    for name in sorted(probes):
-        r = probes[name]
-        cells = [f"{r['repeat'][str(d)]['score']:+.3f}" for d in dists]
-        cells += [f"{r['recall'][str(d)]['score']:+.3f}" for d in dists]
-        lines.append(f"| {name} | {' | '.join(cells)} |")
+    by_name = {r["name"]: r for r in rows}
+    arms = [a for a in arms_of(rows) if kept_run(rows, a) is not None]
+    unprobed = [a.label for a in arms if kept_run(rows, a) not in probes]
+    named = sorted(n for n in probes if n in by_name and by_name[n]["seed"] == 0)
+    if not named:
+        lines = ["Not measured yet: `python -m experiments.round4.measure` once training is done."]
+    else:
+        dists = sorted({int(d) for n in named for d in probes[n]["repeat"]})
+        head = " | ".join([f"repeat {d}" for d in dists] + [f"recall {d}" for d in dists])
+        lines = [f"| arm | run | {head} |", "|---|---|" + "---|" * (2 * len(dists))]
+        for name in sorted(named, key=lambda n: _arm_order(by_name[n])):
+            r, arm = probes[name], p.arm_key(by_name[name])
+            cells = [f"{r['repeat'][str(d)]['score']:+.3f}" for d in dists]
+            cells += [f"{r['recall'][str(d)]['score']:+.3f}" for d in dists]
+            lines.append(f"| {arm.label if arm else name} | {name} | {' | '.join(cells)} |")
+    if unprobed:
+        lines += ["", "Not probed yet (the kept model went with an earlier machine, or the "
+                  "probe has not run yet): " + "; ".join(unprobed) + "."]  # fmt: skip
+    return lines
+
+
+def _arm_order(row: dict[str, Any]) -> tuple[Any, ...]:
+    arm = p.arm_key(row)
+    if arm is None:  # round 3's mechanism arms, after the families
+        return (1, row["name"])
+    return (0, arm.family, p.ORDER.index(arm.size), arm.lr, arm.lr_warmup or 0)
+
+
+def spread_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """How far seeds fall apart at each size (arms with two seeds or more): the spread the
+    verdicts weigh a difference against is a property of the size as much as of the arm."""
+    ranges: dict[str, list[float]] = {}
+    for arm in arms_of(rows):
+        vals = list(p.seeds_of(rows, arm).values())
+        if len(vals) > 1:
+            ranges.setdefault(arm.size, []).append(max(vals) - min(vals))
+    lines = ["| size | arms with 2+ seeds | range of an arm's seeds: median | largest |",
+             "|---|---|---|---|"]  # fmt: skip
+    for size in sorted(ranges, key=p.ORDER.index):
+        got = ranges[size]
+        lines.append(f"| {size} | {len(got)} | {statistics.median(got):.3f} | {max(got):.3f} |")
     return lines
 
 
@@ -271,7 +301,14 @@ def write_report(results: list[dict[str, Any]], out: Path, s: p.Settings) -> Non
         "places later (loss on the first occurrence less the second); `recall d`, a key-value "
         "pair recalled d places later (loss against a control that never saw the value).",
         "",
-        *probe_table(out),
+        *probe_table(rows, out),
+        "",
+        "## Seed spread by size",
+        "",
+        "The verdicts weigh a difference against the larger of the two arms' seed ranges (in "
+        "nats); here is how wide those ranges run at each size.",
+        "",
+        *spread_lines(rows),
         "",
         "## Round 3's runs again",
         "",

@@ -122,3 +122,26 @@ def test_the_top_rate_is_an_edge_whatever_its_warm_up():
     best, arm = rpt.optimum(rows, "mlp", "S")
     assert best == p.Arm("mlp", "S", 4e-3)
     assert arm.unbracketed is not None and "highest tried" in arm.unbracketed
+
+
+def test_the_spread_by_size_is_each_sizes_seed_ranges():
+    rows = [row(p.Arm("dense", "XS", 8e-3), s, x) for s, x in enumerate((2.50, 2.52, 2.49))]
+    rows += [row(p.Arm("dense", "XS", 4e-3), s, x) for s, x in enumerate((2.60, 2.70))]
+    rows += [row(p.Arm("mlp", "S", 3e-3), s, x) for s, x in enumerate((2.4, 2.8))]
+    rows += [row(p.Arm("mlp", "S", 4e-3), 0, 2.5)]  # one seed: no range
+    lines = rpt.spread_lines(rows)
+    assert "| XS | 2 | 0.065 | 0.100 |" in lines  # ranges 0.03 and 0.10
+    assert "| S | 1 | 0.400 | 0.400 |" in lines
+    assert len(lines) == 4
+
+
+def test_the_probe_table_reads_each_arms_seed_0_and_names_the_arms_not_probed(tmp_path):
+    dense, mlp = p.Arm("dense", "XS", 8e-3), p.Arm("mlp", "S", 3e-3)
+    rows = [row(dense, s, 2.5) for s in (0, 1)] + [row(mlp, s, 2.6) for s in (0, 1)]
+    scores = {"repeat": {"64": {"score": 0.5}}, "recall": {"64": {"score": 0.25}}}
+    probed = [{"name": rows[0]["name"], **scores}, {"name": rows[1]["name"], **scores}]
+    (tmp_path / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probed))
+    text = "\n".join(rpt.probe_table(rows, tmp_path))
+    assert f"| {dense.label} | {rows[0]['name']} | +0.500 | +0.250 |" in text
+    assert rows[1]["name"] not in text  # seed 1: the table is seed 0's
+    assert text.endswith(f"probe has not run yet): {mlp.label}.")
