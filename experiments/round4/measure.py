@@ -11,7 +11,13 @@ Both are resumable (a finished row is kept) and rewrite the report at the end. A
 that is gone (the work folder and its kept copies do not outlive the machine they trained on)
 is trained again from its result row with ``--retrain``: on one thread training repeats
 itself, so its loss must come out as the row's, and a retrained model whose loss differs stops
-the measure rather than stand in for the run.
+the measure rather than stand in for the run. It repeats itself only under the code that
+trained it (`TRAINED_AT`): later commits train routed models to other float roundings, so train
+them again with that commit's library first, then measure with today's::
+
+    git worktree add ../r4 2324d99
+    PYTHONPATH=../r4/src python -m experiments.round4.measure --kept K --retrain W --retrain-only
+    python -m experiments.round4.measure --kept K
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 
+import mixture_of_depths
 from mixture_of_depths.fileio import json_text
 from mixture_of_depths.runtime.checkpoint import load_model
 from mixture_of_depths.studies.profiles import keep
@@ -49,6 +56,11 @@ def probe_all(kept: Path, out: Path, data: str | None) -> None:
             fh.write(json_text(row) + "\n")
         print(f"{ckpt.name}: repeat {row['repeat_score']:+.3f}, recall {row['recall_score']:+.3f}")
 
+
+# The commit whose library trained every round-4 run (a worktree of it; README.md): from 5f532f8
+# on, a routed model's training leaves it after some tens of steps (a change of float rounding:
+# its forward and gradients at the start are bit for bit the same), so only this code repeats them.
+TRAINED_AT = "2324d99"
 
 # how far a retrained run's loss may move from its row's: float sums in another order (a
 # machine's other BLAS) move the fifth decimal; a different run moves the second
@@ -145,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         "its row's), and keep it",
     )  # fmt: skip
     ap.add_argument(
+        "--runs", default=None, metavar="NAMES",
+        help="comma-separated runs to train again (default: each family's best, findings.json)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--retrain-only", action="store_true",
+        help=f"stop after training again (run it under the library of {TRAINED_AT})",
+    )  # fmt: skip
+    ap.add_argument(
         "--workers", type=int, default=2,
         help="runs trained again at once, each on one thread (default: %(default)s)",
     )  # fmt: skip
@@ -152,9 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
     out, kept = Path(args.out), Path(args.kept)
-    if args.retrain and not args.skip_decode:
-        names = [n for n in best_runs(out).values() if n]
+    if args.retrain_only and not args.retrain:
+        raise SystemExit("--retrain-only needs --retrain WORK")
+    if args.retrain:
+        names = args.runs.split(",") if args.runs else [n for n in best_runs(out).values() if n]
+        print(f"training {len(names)} run(s) again with {mixture_of_depths.__file__}")
         retrain(names, out, kept, Path(args.retrain), args.data, workers=args.workers)
+        if args.retrain_only:
+            return 0
     probe_all(kept, out, args.data)
     if not args.skip_decode:
         decode_all(kept, out, args.data)
