@@ -4,16 +4,21 @@ model this size shows what it learned. Two probes it can show, on the run's own 
 (BPE), in causal routing, on fixed windows so that every model reads the same tokens:
 
 - `repeat`: a natural window with a span of it copied later in the same window, at several
-  distances back; the score is the mean loss on the span's first occurrence less on its second
-  (nats): what the model gains from having seen those tokens before, in text it knows.
+  distances back; the score is the loss on the copy in a control row whose first occurrence
+  was replaced by other text, less its loss where the first occurrence is there (nats): what
+  the model gains from having seen those tokens before, in text it knows. (A first version
+  scored the first occurrence against the copy: the copy is spliced into other text and sits
+  later in the window, so a model that does not look back scored away from 0 by those
+  alone; the control row has both.)
 - `recall`: associative recall at several distances: a random key token followed by a random
   value token is written into natural text, and the key again `distance` places later; the
   score is the loss on the value at the recall against the same place in a control row whose
   earlier pair had another value (nats): what the model retrieves from that far back, and
   nothing else.
 
-Both are differences of losses on the same model and tokens, so a model that does not look back
-scores ~0 at any length of training, and one that does scores above it.
+Both are differences of losses on the same model and the same target tokens in the same local
+context, so a model that does not look back as far as `distance` scores ~0 at any length of
+training, and one that does scores above it.
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ def token_losses(model: Any, idx: Tensor) -> Tensor:
 
 
 def repeat_probe(model: Any, val: Tensor, distance: int, seed: int = SEED) -> dict[str, float]:
-    """The span (`span_for` the context) copied `distance` places after its first occurrence
-    (which starts at place `span`): loss on the first occurrence, on the second, and their
-    difference."""
+    """A span of the window (`span_for` the context, at place `span`) copied `distance` places
+    later: the loss on the copy, against the same row whose first occurrence was replaced by
+    other text (same targets, same splice and same context up to `distance` back; only the
+    earlier sight of the span differs)."""
     length = model.config.max_seq_len
     span = span_for(length)
     a = span
@@ -58,12 +64,13 @@ def repeat_probe(model: Any, val: Tensor, distance: int, seed: int = SEED) -> di
                          f"for it in {length} places")  # fmt: skip
     idx = windows(val, ROWS, length, seed + distance).clone()
     idx[:, b : b + span] = idx[:, a : a + span]
-    loss = token_losses(model, idx)
-    # predictions inside each occurrence: of its tokens 1..span-1 (the first is not predictable)
-    first = loss[:, a : a + span - 1].mean()
-    second = loss[:, b : b + span - 1].mean()
-    return {"loss_first": float(first), "loss_second": float(second),
-            "score": float(first - second)}  # fmt: skip
+    control = idx.clone()
+    control[:, a : a + span] = windows(val, ROWS, span, seed + distance + 1)
+    # predictions inside the copy: of its tokens 1..span-1 (the first is not predictable)
+    repeat = token_losses(model, idx)[:, b : b + span - 1].mean()
+    base = token_losses(model, control)[:, b : b + span - 1].mean()
+    return {"loss_repeat": float(repeat), "loss_control": float(base),
+            "score": float(base - repeat)}  # fmt: skip
 
 
 def recall_probe(model: Any, val: Tensor, distance: int, seed: int = SEED) -> dict[str, float]:
@@ -100,6 +107,7 @@ def span_for(length: int) -> int:
 def lookback(model: Any, val: Tensor, distances: tuple[int, ...] = DISTANCES) -> dict[str, Any]:
     """Both probes at every distance that fits the model's context, and their means."""
     model.eval()
+    val = val.long()  # stored token ids are narrow (uint16): embeddings and targets take int64
     length = model.config.max_seq_len
     span = span_for(length)
     fits = [d for d in distances if span <= d and d + 2 * span <= length]

@@ -206,20 +206,25 @@ def arm_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def probe_table(rows: list[dict[str, Any]], out: Path) -> list[str]:
-    """The look-back probes (``probes.jsonl``) of each arm's kept seed-0 model, by arm, and the
-    arms whose model is not probed yet."""
+    """The look-back probes (``probes.jsonl``) of one kept model per arm (its lowest seed
+    probed), by arm, and the arms of this round with no model probed yet."""
     probes = measured(out, "probes.jsonl")
     by_name = {r["name"]: r for r in rows}
-    arms = [a for a in arms_of(rows) if kept_run(rows, a) is not None]
-    unprobed = [a.label for a in arms if kept_run(rows, a) not in probes]
-    named = sorted(n for n in probes if n in by_name and by_name[n]["seed"] == 0)
-    if not named:
+    chosen: dict[Any, dict[str, Any]] = {}
+    for name in sorted(n for n in probes if n in by_name):
+        row = by_name[name]
+        key = p.arm_key(row) or name.rsplit("-s", 1)[0]  # round 3's mechanism arms: by name
+        if key not in chosen or row["seed"] < chosen[key]["seed"]:
+            chosen[key] = row
+    unprobed = [a.label for a in arms_of(rows) if kept_run(rows, a) and a not in chosen]
+    if not chosen:
         lines = ["Not measured yet: `python -m experiments.round4.measure` once training is done."]
     else:
+        named = [r["name"] for r in sorted(chosen.values(), key=_arm_order)]
         dists = sorted({int(d) for n in named for d in probes[n]["repeat"]})
         head = " | ".join([f"repeat {d}" for d in dists] + [f"recall {d}" for d in dists])
         lines = [f"| arm | run | {head} |", "|---|---|" + "---|" * (2 * len(dists))]
-        for name in sorted(named, key=lambda n: _arm_order(by_name[n])):
+        for name in named:
             r, arm = probes[name], p.arm_key(by_name[name])
             cells = [f"{r['repeat'][str(d)]['score']:+.3f}" for d in dists]
             cells += [f"{r['recall'][str(d)]['score']:+.3f}" for d in dists]
@@ -295,11 +300,13 @@ def write_report(results: list[dict[str, Any]], out: Path, s: p.Settings) -> Non
         "",
         *(grid or ["No dense grid yet."]),
         "",
-        "## Look-back, measured directly (seed 0 of each arm)",
+        "## Look-back, measured directly (one model per arm: its lowest seed probed)",
         "",
         "Scores in nats (README.md, lookback.py): `repeat d`, a span of the text seen again d "
-        "places later (loss on the first occurrence less the second); `recall d`, a key-value "
-        "pair recalled d places later (loss against a control that never saw the value).",
+        "places later (its loss where the first occurrence was other text, less its loss where "
+        "it was seen); `recall d`, a key-value pair recalled d places later (loss against a "
+        "control that never saw the value). A model that does not look back d places scores "
+        "~0.",
         "",
         *probe_table(rows, out),
         "",

@@ -37,6 +37,20 @@ class Copier(torch.nn.Module):
         return types.SimpleNamespace(logits=logits)
 
 
+class PlaceBigram(torch.nn.Module):
+    """Logits from the current token alone (a fixed random table), sharper later in the window:
+    no look-back at all, but a loss that depends on where a token sits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(max_seq_len=T, vocab_size=V)
+        self.table = torch.randn(V, V, generator=torch.Generator().manual_seed(3))
+
+    def forward(self, idx: torch.Tensor, routing: str) -> types.SimpleNamespace:
+        place = torch.arange(idx.shape[1], dtype=torch.float32) / T
+        return types.SimpleNamespace(logits=self.table[idx] * (1 + 3 * place)[None, :, None])
+
+
 def val_tokens() -> torch.Tensor:
     return torch.randint(0, V, (20_000,), generator=torch.Generator().manual_seed(0))
 
@@ -60,6 +74,18 @@ def test_a_model_that_cannot_look_back_scores_zero():
             assert r["score"] == pytest.approx(0.0, abs=1e-9), (probe, d)
 
 
+def test_a_model_whose_loss_depends_on_the_place_but_not_on_the_past_scores_zero():
+    """The control row holds the copy at the same place, after the same splice: only the earlier
+    sight of the span differs (a probe that scored the first occurrence against the copy gave
+    this model the difference of two places)."""
+    got = lookback.lookback(PlaceBigram().eval(), val_tokens(), distances=(32, 64, 128))
+    for probe in ("repeat", "recall"):
+        for d, r in got[probe].items():
+            assert r["score"] == 0.0, (probe, d)
+    first_vs_copy = [r["loss_control"] for r in got["repeat"].values()]
+    assert max(first_vs_copy) - min(first_vs_copy) > 0.1  # the place does move its loss
+
+
 def test_an_ideal_copier_scores_far_above_zero_at_every_distance():
     got = lookback.lookback(Copier(), val_tokens(), distances=(32, 64, 128))
     assert set(got["repeat"]) == {"32", "64", "128"}
@@ -71,3 +97,12 @@ def test_an_ideal_copier_scores_far_above_zero_at_every_distance():
 def test_distances_that_do_not_fit_the_context_are_refused():
     with pytest.raises(ValueError, match="no distance"):
         lookback.lookback(Copier(), val_tokens(), distances=(1000,))
+
+
+def test_token_ids_stored_narrow_are_read_as_the_same_ids():
+    """Validation tokens come as uint16 (how the data stores them): the scores are those of the
+    same ids in int64."""
+    val, model = val_tokens(), blind_model()
+    wide = lookback.lookback(model, val, distances=(32, 64))
+    narrow = lookback.lookback(model, val.to(torch.uint16), distances=(32, 64))
+    assert narrow == wide

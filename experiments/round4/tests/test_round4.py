@@ -135,13 +135,15 @@ def test_the_spread_by_size_is_each_sizes_seed_ranges():
     assert len(lines) == 4
 
 
-def test_the_probe_table_reads_each_arms_seed_0_and_names_the_arms_not_probed(tmp_path):
-    dense, mlp = p.Arm("dense", "XS", 8e-3), p.Arm("mlp", "S", 3e-3)
-    rows = [row(dense, s, 2.5) for s in (0, 1)] + [row(mlp, s, 2.6) for s in (0, 1)]
-    scores = {"repeat": {"64": {"score": 0.5}}, "recall": {"64": {"score": 0.25}}}
-    probed = [{"name": rows[0]["name"], **scores}, {"name": rows[1]["name"], **scores}]
-    (tmp_path / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probed))
+def test_the_probe_table_reads_one_model_per_arm_and_names_the_arms_not_probed(tmp_path):
+    dense, mlp, kv = p.Arm("dense", "XS", 8e-3), p.Arm("mlp", "S", 3e-3), p.Arm("mlp-kv", "S", 3e-3)
+    rows = [row(a, s, 2.5) for a in (dense, mlp, kv) for s in (0, 1)]
+    probed = [(rows[0], 0.5), (rows[1], 0.7), (rows[5], 0.1)]  # dense seeds 0, 1; kv seed 1
+    (tmp_path / "probes.jsonl").write_text("".join(
+        json.dumps({"name": r["name"], "repeat": {"64": {"score": x}},
+                    "recall": {"64": {"score": x / 2}}}) + "\n" for r, x in probed))  # fmt: skip
     text = "\n".join(rpt.probe_table(rows, tmp_path))
     assert f"| {dense.label} | {rows[0]['name']} | +0.500 | +0.250 |" in text
-    assert rows[1]["name"] not in text  # seed 1: the table is seed 0's
+    assert rows[1]["name"] not in text  # one model per arm: the lowest seed probed
+    assert f"| {kv.label} | {rows[5]['name']} | +0.100 | +0.050 |" in text  # its seed 0 is gone
     assert text.endswith(f"probe has not run yet): {mlp.label}.")
