@@ -59,7 +59,8 @@ def probe_all(kept: Path, out: Path, data: str | None) -> None:
 
 # The commit whose library trained every round-4 run (a worktree of it; README.md): from 5f532f8
 # on, a routed model's training leaves it after some tens of steps (a change of float rounding:
-# its forward and gradients at the start are bit for bit the same), so only this code repeats them.
+# the same losses, gradients equal to 1e-7 in float32 and 2e-16 in float64; README.md), so only
+# this code repeats them.
 TRAINED_AT = "2324d99"
 
 # how far a retrained run's loss may move from its row's: float sums in another order (a
