@@ -57,7 +57,7 @@ def probe_all(kept: Path, out: Path, data: str | None) -> None:
         print(f"{ckpt.name}: repeat {row['repeat_score']:+.3f}, recall {row['recall_score']:+.3f}")
 
 
-# The commit whose library trained every round-4 run (a worktree of it; README.md): from 5f532f8
+# The commit whose library the round-4 runs train from, and repeat under (README.md): from 5f532f8
 # on, a routed model's training leaves it after some tens of steps (a change of float rounding:
 # the same losses, gradients equal to 1e-7 in float32 and 2e-16 in float64; README.md), so only
 # this code repeats them.
@@ -173,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
     out, kept = Path(args.out), Path(args.kept)
-    if args.retrain_only and not args.retrain:
-        raise SystemExit("--retrain-only needs --retrain WORK")
+    for flag, given in (("--retrain-only", args.retrain_only), ("--runs", args.runs)):
+        if given and not args.retrain:
+            raise SystemExit(f"{flag} needs --retrain WORK")
     if args.retrain:
         names = args.runs.split(",") if args.runs else [n for n in best_runs(out).values() if n]
         print(f"training {len(names)} run(s) again with {mixture_of_depths.__file__}")
