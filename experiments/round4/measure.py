@@ -3,7 +3,8 @@
 DIR: the kept checkpoints, ``<work>-kept``).
 
 - ``probes.jsonl``: the look-back probes (`lookback`) of every kept checkpoint.
-- ``decode.jsonl``: each MoD family's best model (seed 0) decoded beside dense's best
+- ``decode.jsonl``: each MoD family's best model (seed 0, or its arm's lowest kept seed:
+  `stand_ins`) decoded beside dense's best
   (`experiments.common.measure.decode_speeds`: CPU, one thread, interleaved rounds, the
   median; batch 1 and 8) and the KV bytes per token its cache held.
 
@@ -38,7 +39,7 @@ from mixture_of_depths.studies.profiles import keep
 from mixture_of_depths.studies.runner import RunSpec, load_results, run_one
 
 from ..common import measure
-from . import STUDY, lookback
+from . import STUDY, lookback, plan
 
 HERE = Path(__file__).resolve().parent
 
@@ -121,14 +122,30 @@ def best_runs(out: Path) -> dict[str, str | None]:
     return json.loads((out / "findings.json").read_text())["best_runs"]
 
 
+def stand_ins(out: Path, kept: Path) -> dict[str, str]:
+    """Each family's model for the decode timings: its best run (seed 0), or, where that model
+    is gone, the lowest seed of the same arm whose model is kept (any seed is the arm's model;
+    training it again costs an hour); the best run itself where none is kept."""
+    rows = [r for r in load_results(out / "results.jsonl") if r["name"].startswith("r4-")]
+    chosen = {}
+    for family, name in best_runs(out).items():
+        if name is None:
+            continue
+        arm = next(plan.arm_key(r) for r in rows if r["name"] == name)
+        seeds = sorted((r["seed"], r["name"]) for r in rows if plan.arm_key(r) == arm)
+        kept_seeds = [n for _, n in seeds if (kept / n / "model.safetensors").exists()]
+        chosen[family] = kept_seeds[0] if kept_seeds else name
+    return chosen
+
+
 def decode_all(kept: Path, out: Path, data: str | None) -> None:
     """Decode speed and KV bytes of each family's best run beside dense's (findings.json's
     ``best_runs``), unless ``decode.jsonl`` has them."""
     path = out / "decode.jsonl"
     if load_results(path):
         return
-    best = best_runs(out)
-    ckpts = {fam: kept / n for fam, n in best.items() if n is not None and (kept / n).exists()}
+    best = stand_ins(out, kept)
+    ckpts = {fam: kept / n for fam, n in best.items() if (kept / n).exists()}
     missing = sorted(set(best) - set(ckpts))
     if missing or "dense" not in ckpts:
         raise SystemExit(f"no kept checkpoint for {missing}: give --retrain to train them again")
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if given and not args.retrain:
             raise SystemExit(f"{flag} needs --retrain WORK")
     if args.retrain:
-        names = args.runs.split(",") if args.runs else [n for n in best_runs(out).values() if n]
+        names = args.runs.split(",") if args.runs else list(stand_ins(out, kept).values())
         print(f"training {len(names)} run(s) again with {mixture_of_depths.__file__}")
         retrain(names, out, kept, Path(args.retrain), args.data, workers=args.workers)
         if args.retrain_only:

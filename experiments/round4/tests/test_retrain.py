@@ -61,3 +61,23 @@ def test_runs_trained_again_in_worker_processes_come_out_at_their_rows_losses(tr
     measure.retrain([SPEC.name, other.name], out, kept, out / "again", data, GRID, workers=2)
     for name in (SPEC.name, other.name):
         assert (kept / name / "model.safetensors").exists()
+
+
+def test_an_arms_lowest_kept_seed_stands_in_for_its_lost_seed_0(tmp_path):  # noqa: ANN001
+    """Decode timings take each family's best run, or the lowest seed of its arm still kept;
+    a family with none kept names its best run (to train again), never another arm's."""
+    here = measure.HERE
+    (tmp_path / "results.jsonl").write_bytes((here / "results.jsonl").read_bytes())
+    best = {"dense": "r4-dense-XS-lr8e-3-s0", "mlp-kv": "r4-mlp-kv-S-lr3e-3-s0"}
+    (tmp_path / "findings.json").write_text(json.dumps({"best_runs": best}))
+    kept = tmp_path / "kept"
+    for name in ("r4-mlp-kv-S-lr3e-3-s1", "r4-dense-XS-lr4e-3-s1", "r4-dense-XXS-lr8e-3-s1"):
+        (kept / name).mkdir(parents=True)
+        (kept / name / "model.safetensors").write_bytes(b"")
+    assert measure.stand_ins(tmp_path, kept) == {
+        "dense": "r4-dense-XS-lr8e-3-s0",
+        "mlp-kv": "r4-mlp-kv-S-lr3e-3-s1",
+    }
+    (kept / "r4-dense-XS-lr8e-3-s2").mkdir()
+    (kept / "r4-dense-XS-lr8e-3-s2" / "model.safetensors").write_bytes(b"")
+    assert measure.stand_ins(tmp_path, kept)["dense"] == "r4-dense-XS-lr8e-3-s2"
