@@ -34,8 +34,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "recursion_capacities": (1.0, 0.25, 0.125),
     },  # fmt: skip
     # Long contexts: small at 1024 tokens with only the MLP routed, attention for every token,
-    # and its dense twin: the variant round 3 found closest to dense at 1024 tokens (its
-    # verdicts, at d_model 96 and 4 layers, not this shape: experiments/round3/report.md).
+    # and its dense twin: the variant rounds 3 and 4 found closest to dense at 1024 tokens,
+    # level within the seed spread but at a larger model than dense's best (their verdicts, at
+    # d_model 64-96 and 4 layers, not this shape: experiments/round4/report.md).
     "small-long": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "DR", "routing": "mlp"},
     "small-long-dense": {**_SMALL, "max_seq_len": 1024, "layer_pattern": "D"},
     "base": {**_BASE, "layer_pattern": "DR"},

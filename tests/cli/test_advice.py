@@ -1,5 +1,6 @@
 """`mod train`'s advice for long contexts (docs/semantics.md, 'What a routed layer can and
-cannot see'): given where a routed layer leaves tokens without attention, not elsewhere."""
+cannot see'): given where a routed layer leaves the tokens that skip it without attention to
+the whole context, not elsewhere."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from mixture_of_depths.cli.train import long_context_note
         ("small", {"routing": "staggered"}, 2048, True),
         ("small", {}, 1023, False),  # shorter than where it was measured
         ("small-long", {}, 1024, False),  # attention already dense
-        ("small", {"routing": "mlp_kv"}, 1024, False),  # every token queries the takers' keys
+        ("small", {"routing": "mlp_kv"}, 1024, True),  # skippers read only the takers' keys
         ("small-long-dense", {}, 1024, False),
         ("small-mor", {"max_seq_len": 1024}, 1024, False),  # no routed layers: recursion
     ],
 )
-def test_long_context_advice_only_where_routed_layers_route_attention(
+def test_long_context_advice_wherever_skippers_lose_attention_to_the_context(
     preset, over, seq_len, advised
 ):
     cfg = MoDConfig.preset(preset, **{"max_seq_len": max(seq_len, 256), **over})

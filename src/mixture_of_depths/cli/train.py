@@ -132,23 +132,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-LONG_CONTEXT = 1024  # where round 3 measured it (experiments/round3)
+LONG_CONTEXT = 1024  # where rounds 3 and 4 measured it (experiments/round3, experiments/round4)
 
 
 def long_context_note(cfg: MoDConfig, seq_len: int) -> str | None:
-    """Advice for a model whose routed layers route attention, trained on long sequences: at
-    1024 tokens and 1.5e14 training FLOPs the third round of the study found such a model far
-    behind dense at equal FLOPs, and the same model with only the MLP routed level with dense
-    within the seed spread, at each one's best learning rate; at 5e13 the order differs
-    (docs/semantics.md)."""
-    # "mlp" and "mlp_kv": every token queries every routed layer's attention
-    if seq_len < LONG_CONTEXT or not cfg.routed_layers or cfg.routing in ("mlp", "mlp_kv"):
+    """Advice for a routed model trained on long sequences. At 1024 tokens and 1.5e14 training
+    FLOPs, against dense at its best rate and size (rounds 3 and 4 of the study,
+    docs/semantics.md): routing that takes attention from the tokens that skip a routed layer
+    (joint, staggered) or lets them read only the takers' keys (mlp_kv) trailed dense by about
+    0.6 nats; routing only the MLP came level with dense within the seed spread, but only at a
+    larger model than dense's best, at more FLOPs per token."""
+    if seq_len < LONG_CONTEXT or not cfg.routed_layers or cfg.routing == "mlp":
         return None
+    skipped = (
+        "reads only the takers' keys there" if cfg.routing == "mlp_kv"
+        else "computes no attention there"
+    )  # fmt: skip
     return (
         f"note: routing={cfg.routing!r} at {seq_len} tokens: a token that skips a routed layer "
-        "computes no attention there, and at 1024 tokens and 1.5e14 training FLOPs the study "
-        "found such models far behind dense at equal FLOPs, and --routing mlp (attention for "
-        "every token, only the MLP routed; --preset small-long) level with it; on shorter "
-        "training the order differs: compare with dense at your budget (docs/semantics.md, "
-        "'What a routed layer can and cannot see')"
+        f"{skipped}, and at 1024 tokens and 1.5e14 training FLOPs the study found such models "
+        "about 0.6 nats behind dense at equal FLOPs; --routing mlp (attention for every token, "
+        "only the MLP routed; --preset small-long) came level with dense within the seed "
+        "spread, but only at a larger model than dense's best, at more FLOPs per token: "
+        "compare with dense at your budget (docs/semantics.md, 'What a routed layer can and "
+        "cannot see')"
     )
