@@ -16,6 +16,7 @@ from mixture_of_depths.flops import estimate_flops
 from mixture_of_depths.studies.runner import load_results
 from mixture_of_depths.studies.verdict import BETTER, WITHIN, Arm, Verdict, best_of, compare
 
+from ..common.measure import DECODE_NEW, DECODE_ROUNDS
 from . import plan as p
 from .plots import plot
 
@@ -235,6 +236,30 @@ def probe_table(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return lines
 
 
+def decode_table(out: Path) -> list[str]:
+    """Each family's best model decoded beside dense's (``decode.jsonl``): tokens/s, their
+    spread over the rounds, the KV bytes its cache held and the share of tokens each routed
+    layer took while decoding (the speed follows it)."""
+    decode = measured(out, "decode.jsonl")
+    if not decode:
+        return ["Not measured yet: `python -m experiments.round4.measure` once training is done."]
+    lines = ["| family | run | tokens/s b1 (spread) | b8 (spread) | x dense b1 / b8 | "
+             "KV bytes / token held | taken while decoding, per routed layer |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for fam in sorted(decode, key=lambda f: (f != "dense", f)):
+        r = decode[fam]
+        taken = ", ".join(f"{t:.1%}" for t in r["take_decode"]) or "(no routed layer)"
+        lines.append(
+            f"| {fam} | {r['run']} | {r['decode_tok_s_b1']:.0f} ({r['decode_spread_b1']:.0%}) "
+            f"| {r['decode_tok_s_b8']:.0f} ({r['decode_spread_b8']:.0%}) "
+            f"| {r['speedup_b1']:.2f} / {r['speedup_b8']:.2f} "
+            f"| {r['kv_bytes_per_token_measured']:.0f} | {taken} |"
+        )
+    busy = max((r.get("others_busy", 0.0) for r in decode.values()), default=0.0)
+    lines += ["", f"Other processes kept {busy:.0%} of the CPUs busy during the timing."]
+    return lines
+
+
 def _arm_order(row: dict[str, Any]) -> tuple[Any, ...]:
     arm = p.arm_key(row)
     if arm is None:  # round 3's mechanism arms, after the families
@@ -259,8 +284,9 @@ def spread_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def rerun_table(results: list[dict[str, Any]], s: p.Settings) -> list[str]:
-    """Round 3's runs trained again (the same spec, seed 0) beside round 3's own loss: a run on
-    the CPU reproduces, so a difference says the code changed what it trains."""
+    """Round 3's runs trained again (the same spec, seed 0) beside round 3's own loss: on one
+    thread a run repeats itself under the code that trained it, so a difference says the code
+    changed what it trains, or only its float rounding (README.md)."""
     old = {r["name"]: r for r in p.anchors(s)}
     lines = ["| run | round 3's causal loss | again | difference |", "|---|---|---|---|"]
     for r in (r for r in results if r.get("group") == "rerun"):
@@ -295,6 +321,17 @@ def write_report(results: list[dict[str, Any]], out: Path, s: p.Settings) -> Non
         "## The deciding table",
         "",
         *decide,
+        "",
+        "## Decode",
+        "",
+        f"One thread, a held-out prompt of half the window and {DECODE_NEW} greedy tokens, "
+        f"every model once per round in a rotating order, the median of {DECODE_ROUNDS} rounds "
+        "(spread: interquartile range over the median); KV bytes as bf16. A routed layer's "
+        "take-rate while decoding is its causal router's on the model's own greedy text, which "
+        "can sit far below the capacity (12.5%): a faster decode there is fewer tokens taking "
+        "the layer.",
+        "",
+        *decode_table(out),
         "",
         "## Dense, bracketed",
         "",

@@ -147,3 +147,23 @@ def test_the_probe_table_reads_one_model_per_arm_and_names_the_arms_not_probed(t
     assert rows[1]["name"] not in text  # one model per arm: the lowest seed probed
     assert f"| {kv.label} | {rows[5]['name']} | +0.100 | +0.050 |" in text  # its seed 0 is gone
     assert text.endswith(f"probe has not run yet): {mlp.label}.")
+
+
+def test_the_decode_table_puts_dense_first_and_shows_what_each_routed_layer_took(tmp_path):
+    assert rpt.decode_table(tmp_path)[0].startswith("Not measured yet")
+    speeds = {"decode_tok_s_b1": 100.0, "decode_spread_b1": 0.02, "decode_tok_s_b8": 400.0,
+              "decode_spread_b8": 0.05, "others_busy": 0.01}  # fmt: skip
+    rows = [
+        {"name": "mlp", "run": "r4-mlp-S-lr3e-3-s0", **speeds, "speedup_b1": 0.9,
+         "speedup_b8": 0.8, "kv_bytes_per_token_measured": 1536.0, "take_decode": [0.05, 0.04]},
+        {"name": "dense", "run": "r4-dense-XS-lr8e-3-s0", **speeds, "speedup_b1": 1.0,
+         "speedup_b8": 1.0, "kv_bytes_per_token_measured": 1024.0, "take_decode": []},
+    ]  # fmt: skip
+    (tmp_path / "decode.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = rpt.decode_table(tmp_path)
+    body = [line for line in table if line.startswith("| ") and "run |" not in line]
+    assert [line.split(" | ")[0] for line in body] == ["| dense", "| mlp"]
+    assert "| 0.90 / 0.80 | 1536 | 5.0%, 4.0% |" in body[1]
+    assert "(no routed layer)" in body[0] and table[-1].endswith(
+        "1% of the CPUs busy during the timing."
+    )
