@@ -4,7 +4,7 @@ DIR: the kept checkpoints, ``<work>-kept``).
 
 - ``probes.jsonl``: the look-back probes (`lookback`) of every kept checkpoint.
 - ``decode.jsonl``: each MoD family's best model (seed 0, or its arm's lowest kept seed:
-  `stand_ins`) decoded beside dense's best
+  `stand_ins`) decoded beside dense's best, greedy and fed held-out text (``fed_`` keys)
   (`experiments.common.measure.decode_speeds`: CPU, one thread, interleaved rounds, the
   median; batch 1 and 8) and the KV bytes per token its cache held.
 
@@ -150,15 +150,19 @@ def decode_all(kept: Path, out: Path, data: str | None) -> None:
     if missing or "dense" not in ckpts:
         raise SystemExit(f"no kept checkpoint for {missing}: give --retrain to train them again")
     seq_len = load_model(ckpts["dense"])[1].max_seq_len
-    speeds = measure.decode_speeds(ckpts, seq_len, data)
+    # greedy: the model's own text; fed: held-out text's tokens (routers decide on text)
+    timed = {
+        pre: measure.decode_speeds(ckpts, seq_len, data, fed=bool(pre)) for pre in ("", "fed_")
+    }
     rows = []
     for fam, ckpt in ckpts.items():
-        row: dict[str, Any] = {"name": fam, "run": ckpt.name, **speeds[fam]}
+        row: dict[str, Any] = {"name": fam, "run": ckpt.name}
+        for pre, speeds in timed.items():
+            row.update({pre + k: v for k, v in speeds[fam].items()})
+            for b in measure.DECODE_BATCHES:
+                key = f"decode_tok_s_b{b}"
+                row[f"{pre}speedup_b{b}"] = speeds[fam][key] / speeds["dense"][key]
         row.update(measure.measure_run(ckpt, seq_len, data))
-        for b in measure.DECODE_BATCHES:
-            row[f"speedup_b{b}"] = (
-                speeds[fam][f"decode_tok_s_b{b}"] / (speeds["dense"][f"decode_tok_s_b{b}"])
-            )
         rows.append(row)
     path.write_text("".join(json_text(r) + "\n" for r in rows))
 

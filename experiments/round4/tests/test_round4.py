@@ -151,19 +151,24 @@ def test_the_probe_table_reads_one_model_per_arm_and_names_the_arms_not_probed(t
 
 def test_the_decode_table_puts_dense_first_and_shows_what_each_routed_layer_took(tmp_path):
     assert rpt.decode_table(tmp_path)[0].startswith("Not measured yet")
-    speeds = {"decode_tok_s_b1": 100.0, "decode_spread_b1": 0.02, "decode_tok_s_b8": 400.0,
-              "decode_spread_b8": 0.05, "others_busy": 0.01}  # fmt: skip
+
+    def timed(pre: str, ratio: float, taken: list[float]) -> dict:
+        return {f"{pre}decode_tok_s_b1": 100.0, f"{pre}decode_spread_b1": 0.02,
+                f"{pre}decode_tok_s_b8": 400.0, f"{pre}decode_spread_b8": 0.05,
+                f"{pre}others_busy": 0.01, f"{pre}speedup_b1": ratio,
+                f"{pre}speedup_b8": ratio, f"{pre}take_b8": taken}  # fmt: skip
+
     rows = [
-        {"name": "mlp", "run": "r4-mlp-S-lr3e-3-s0", **speeds, "speedup_b1": 0.9,
-         "speedup_b8": 0.8, "kv_bytes_per_token_measured": 1536.0, "take_decode": [0.05, 0.04]},
-        {"name": "dense", "run": "r4-dense-XS-lr8e-3-s0", **speeds, "speedup_b1": 1.0,
-         "speedup_b8": 1.0, "kv_bytes_per_token_measured": 1024.0, "take_decode": []},
+        {"name": "mlp", "run": "r4-mlp-S-lr3e-3-s0", **timed("", 1.2, [0.01, 0.02]),
+         **timed("fed_", 0.9, [0.11, 0.12]), "kv_bytes_per_token_measured": 1536.0},
+        {"name": "dense", "run": "r4-dense-XS-lr8e-3-s0", **timed("", 1.0, []),
+         **timed("fed_", 1.0, []), "kv_bytes_per_token_measured": 1024.0},
     ]  # fmt: skip
     (tmp_path / "decode.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = rpt.decode_table(tmp_path)
     body = [line for line in table if line.startswith("| ") and "run |" not in line]
     assert [line.split(" | ")[0] for line in body] == ["| dense", "| mlp"]
-    assert "| 0.90 / 0.80 | 1536 | 5.0%, 4.0% |" in body[1]
-    assert "(no routed layer)" in body[0] and table[-1].endswith(
-        "1% of the CPUs busy during the timing."
+    assert "| 1.20 / 1.20 | 0.90 / 0.90 | 1536 | 1.0%, 2.0% | 11.0%, 12.0% |" in body[1]
+    assert body[0].endswith("| - | - |") and table[-1].endswith(
+        "1% of the CPUs busy during the timings."
     )
