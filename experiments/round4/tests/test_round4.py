@@ -172,3 +172,18 @@ def test_the_decode_table_puts_dense_first_and_shows_what_each_routed_layer_took
     assert body[0].endswith("| - | - |") and table[-1].endswith(
         "1% of the CPUs busy during the timings."
     )
+
+
+def test_a_rerun_is_apart_from_the_first_step_whose_logged_loss_differs(tmp_path):
+    def log(name: str, losses: dict[int, float]) -> object:
+        path = tmp_path / name
+        rows = [{"step": t, "loss": v} for t, v in losses.items()] + [{"step": 30, "val": 1.0}]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    first = log("a.jsonl", {10: 7.0, 20: 6.5, 30: 6.0})
+    assert rpt.first_apart(first, log("b.jsonl", {10: 7.0, 20: 6.5})) == "none"
+    assert rpt.first_apart(first, log("c.jsonl", {10: 7.0, 20: 6.5 + 6.5e-7, 30: 6.1})) == (
+        "20 (by 1e-07 of it)"
+    )
+    assert rpt.first_apart(first, tmp_path / "gone.jsonl") == "-"
